@@ -1,0 +1,137 @@
+"""What a step leaves behind for a replay: model inputs, RNG and autocast state,
+buffers as they were, and the gradient that arrived at the model's outputs.
+
+Nothing here copies a tensor the user already holds; buffers (small: BatchNorm
+statistics, masks) are the only copies, and only when ``Config.snapshot_buffers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass
+class AutocastState:
+    cpu_enabled: bool
+    cpu_dtype: torch.dtype
+    cuda_enabled: bool
+    cuda_dtype: torch.dtype
+
+    @classmethod
+    def current(cls) -> "AutocastState":
+        return cls(
+            cpu_enabled=torch.is_autocast_enabled("cpu"),
+            cpu_dtype=torch.get_autocast_dtype("cpu"),
+            cuda_enabled=torch.is_autocast_enabled("cuda"),
+            cuda_dtype=torch.get_autocast_dtype("cuda"),
+        )
+
+    @property
+    def low_precision(self) -> bool:
+        return self.cpu_enabled or self.cuda_enabled
+
+    def contexts(self) -> list[Any]:
+        out = []
+        if self.cpu_enabled:
+            out.append(torch.autocast("cpu", dtype=self.cpu_dtype))
+        if self.cuda_enabled:
+            out.append(torch.autocast("cuda", dtype=self.cuda_dtype))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cpu_enabled": self.cpu_enabled,
+            "cpu_dtype": str(self.cpu_dtype),
+            "cuda_enabled": self.cuda_enabled,
+            "cuda_dtype": str(self.cuda_dtype),
+        }
+
+
+@dataclasses.dataclass
+class RngState:
+    cpu: torch.Tensor
+    cuda: list[torch.Tensor] | None
+
+    @classmethod
+    def current(cls) -> "RngState":
+        cuda = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda = torch.cuda.get_rng_state_all()
+        return cls(cpu=torch.get_rng_state(), cuda=cuda)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+@dataclasses.dataclass
+class ForwardRecord:
+    """One call of the watched model's forward during a training step."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng: RngState
+    autocast: AutocastState
+    buffers: dict[str, torch.Tensor] | None
+    output_grads: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """One call of a ``guard.replayable`` loss function during a training step."""
+
+    fn: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng: RngState
+    autocast: AutocastState
+    buffers: dict[str, torch.Tensor] | None
+    loss: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class StepCapture:
+    """Everything the guard gathered between two optimizer steps."""
+
+    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    forwards: list[ForwardRecord] = dataclasses.field(default_factory=list)
+    calls: list[CallRecord] = dataclasses.field(default_factory=list)
+    inputs_ok: torch.Tensor | None = None
+    outputs_ok: torch.Tensor | None = None
+
+    def and_inputs(self, flag: torch.Tensor) -> None:
+        self.inputs_ok = flag if self.inputs_ok is None else self.inputs_ok & flag
+
+    def and_outputs(self, flag: torch.Tensor) -> None:
+        self.outputs_ok = flag if self.outputs_ok is None else self.outputs_ok & flag
+
+
+def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
+    """Floating-point tensors inside a (nested) structure of args/outputs."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if _depth > 4:
+        return []
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in floating_tensors(v, _depth + 1)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in floating_tensors(v, _depth + 1)]
+    if hasattr(obj, "__dataclass_fields__") or hasattr(obj, "to_tuple"):
+        values = obj.to_tuple() if hasattr(obj, "to_tuple") else [getattr(obj, f) for f in obj.__dataclass_fields__]
+        return [t for v in values for t in floating_tensors(v, _depth + 1)]
+    return []
+
+
+def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """A 0-dim bool tensor, True when every element of every tensor is finite; no sync."""
+    flags = [torch.isfinite(t.detach()).all() for t in tensors if t.numel()]
+    if not flags:
+        return None
+    if len(flags) == 1:
+        return flags[0]
+    device = flags[0].device
+    return torch.stack([f.to(device) for f in flags]).all()

@@ -1,0 +1,143 @@
+"""All of nantrace's tunables in one typed, validated dataclass, with presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+_PRESETS = ("minimal", "default", "thorough")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Config:
+    """Tunables for :func:`nantrace.watch`. Defaults are what ``Config.preset("default")`` gives.
+
+    Usage::
+
+        cfg = nantrace.Config(spike_sigma=8.0)
+        cfg = nantrace.Config.preset("thorough", print_incidents=False)
+    """
+
+    check_loss: bool = True
+    """Check the loss every step (seen through ``backward()``; no change to the loop)."""
+
+    check_params: bool = True
+    """Check the parameters that the previous update produced (fused into the step's one check)."""
+
+    check_inputs: bool = True
+    """Check floating-point tensors passed to the watched model's ``forward``."""
+
+    check_outputs: bool = True
+    """Check floating-point tensors returned by the watched model's ``forward``."""
+
+    detect_loss_spikes: bool = True
+    """Report finite loss spikes against the run's own history (``loss_spike``)."""
+
+    detect_grad_explosion: bool = True
+    """Report gradient-norm explosions against the run's own history (``grad_explosion``)."""
+
+    spike_window: int = 128
+    """Number of recent healthy steps the robust statistics are computed over."""
+
+    spike_warmup: int = 24
+    """Steps of history needed before spikes and explosions can be reported."""
+
+    spike_sigma: float = 6.0
+    """Robust z-score (median/MAD, in log space) above which a value counts as a spike."""
+
+    loss_spike_min_ratio: float = 1.5
+    """A loss spike must also exceed the rolling median by this factor (guards a flat MAD)."""
+
+    explosion_min_ratio: float = 5.0
+    """A gradient explosion must also exceed the rolling median norm by this factor."""
+
+    finite_anomaly_action: str = "policy"
+    """``"policy"``: finite anomalies (spikes, explosions) follow ``on_anomaly``; ``"log"``: only report them."""
+
+    scaler_max_skips: int = 20
+    """Consecutive GradScaler-skipped steps after which ``scaler_collapse`` is reported."""
+
+    scaler_min_scale: float = 1.0
+    """A GradScaler scale below this floor is reported as ``scaler_collapse``."""
+
+    localise: bool = True
+    """Replay the failing step under op-level instrumentation to find the origin op."""
+
+    precision_check: bool = True
+    """On a low-precision failure, re-run the step in float32 to tell overflow from a math error."""
+
+    snapshot_buffers: bool = True
+    """Copy floating buffers (e.g. BatchNorm statistics) before each forward so that a replay starts from the same state."""
+
+    keep_output_grads: bool = True
+    """Keep the gradient arriving at the model's outputs so backward origins can be replayed without the loss."""
+
+    flight_recorder: int = 32
+    """How many recent steps' health figures are kept in memory and attached to an incident."""
+
+    print_incidents: bool = True
+    """Print each incident once to the console (rich)."""
+
+    save_bundle: bool = True
+    """With a run directory, write a reproduction bundle for each non-finite incident."""
+
+    max_bundles: int = 10
+    """At most this many bundles per run (the first ones are the informative ones)."""
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "spike_window", minimum=8)
+        _positive_int(self, "spike_warmup", minimum=4)
+        _positive_int(self, "scaler_max_skips", minimum=1)
+        _positive_int(self, "flight_recorder", minimum=0)
+        _positive_int(self, "max_bundles", minimum=0)
+        if self.spike_warmup > self.spike_window:
+            raise ValueError(
+                f"Config.spike_warmup ({self.spike_warmup}) must not exceed "
+                f"Config.spike_window ({self.spike_window})"
+            )
+        for name in ("spike_sigma", "loss_spike_min_ratio", "explosion_min_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 1.0 - 1e-12:
+                raise ValueError(f"Config.{name} must be a number >= 1, got {value!r}")
+        if not isinstance(self.scaler_min_scale, (int, float)) or self.scaler_min_scale < 0:
+            raise ValueError(f"Config.scaler_min_scale must be a number >= 0, got {self.scaler_min_scale!r}")
+        if self.finite_anomaly_action not in ("policy", "log"):
+            raise ValueError(
+                f"Config.finite_anomaly_action must be 'policy' or 'log', got {self.finite_anomaly_action!r}"
+            )
+        for f in dataclasses.fields(self):
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise TypeError(f"Config.{f.name} must be a bool, got {getattr(self, f.name)!r}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "Config":
+        """``"minimal"`` (non-finite checks only), ``"default"`` or ``"thorough"`` (every check, more history)."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown Config preset {name!r}; expected one of {', '.join(_PRESETS)}")
+        values: dict[str, Any] = {}
+        if name == "minimal":
+            values = dict(
+                check_inputs=False,
+                check_outputs=False,
+                detect_loss_spikes=False,
+                detect_grad_explosion=False,
+                snapshot_buffers=False,
+                keep_output_grads=False,
+                flight_recorder=8,
+            )
+        elif name == "thorough":
+            values = dict(flight_recorder=128, spike_window=256)
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _positive_int(cfg: Config, name: str, *, minimum: int) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"Config.{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,1 @@
+"""Cheap, always-on detection: the fused per-step sentinel and adaptive detectors."""

@@ -1,0 +1,124 @@
+"""The per-step sentinel: one fused reduction, one host synchronisation.
+
+Everything the guard needs to decide about a step (loss, every gradient's norm, the
+parameters' norm, the model input/output finiteness flags, the loss scale) is reduced
+on the device into one vector and copied to the host once, the way
+``clip_grad_norm_`` and GradScaler's ``found_inf`` work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+@dataclasses.dataclass
+class StepHealth:
+    """Host-side figures of one step, as read by the sentinel."""
+
+    loss: float | None
+    grad_norm: float | None
+    param_norm: float | None
+    inputs_finite: bool
+    outputs_finite: bool
+    scale: float | None
+    grad_norms: list[float]
+    param_norms: list[float]
+
+    @property
+    def loss_finite(self) -> bool:
+        return self.loss is None or math.isfinite(self.loss)
+
+    @property
+    def grads_finite(self) -> bool:
+        return self.grad_norm is None or math.isfinite(self.grad_norm)
+
+    @property
+    def params_finite(self) -> bool:
+        return self.param_norm is None or math.isfinite(self.param_norm)
+
+
+def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor L2 norms in float32, grouped by device (foreach kernels need one device)."""
+    if not tensors:
+        return []
+    try:
+        return list(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
+    except (RuntimeError, TypeError):
+        return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+
+
+def measure(
+    *,
+    grads: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    losses: Sequence[torch.Tensor],
+    inputs_ok: torch.Tensor | None,
+    outputs_ok: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    grads_scaled: bool,
+) -> StepHealth:
+    """Reduce the step's tensors to one vector and read it with a single host transfer.
+
+    ``inputs_ok``/``outputs_ok`` are boolean 0-dim tensors accumulated by the forward
+    hooks (``None`` when not checked). ``grads_scaled`` says the gradients still carry the
+    GradScaler's factor; their norms are divided by the scale on the host.
+    """
+    device = _pick_device(grads, params, losses)
+    nan = torch.full((), float("nan"), device=device)
+    one = torch.ones((), device=device)
+    gn = _norms(grads)
+    pn = _norms(params)
+    gvec = torch.stack([n.to(device) for n in gn]) if gn else None
+    pvec = torch.stack([n.to(device) for n in pn]) if pn else None
+    head = [
+        torch.stack([l.detach().to(device, torch.float32).reshape(()) for l in losses]).mean() if losses else nan,
+        torch.linalg.vector_norm(gvec) if gvec is not None else nan,
+        torch.linalg.vector_norm(pvec) if pvec is not None else nan,
+        inputs_ok.to(device, torch.float32) if inputs_ok is not None else one,
+        outputs_ok.to(device, torch.float32) if outputs_ok is not None else one,
+        scale.detach().to(device, torch.float32).reshape(()) if scale is not None else nan,
+    ]
+    vec = torch.cat([torch.stack(head)] + [v for v in (gvec, pvec) if v is not None])
+    host = vec.tolist()  # the one host synchronisation of the step
+    loss, gnorm, pnorm, in_ok, out_ok, sc = host[:6]
+    grad_norms = host[6 : 6 + len(gn)]
+    param_norms = host[6 + len(gn) :]
+    scale_value = sc if not math.isnan(sc) else None
+    if grads_scaled and scale_value and gn:
+        gnorm = gnorm / scale_value
+        grad_norms = [g / scale_value for g in grad_norms]
+    return StepHealth(
+        loss=loss if losses else None,
+        grad_norm=gnorm if gn else None,
+        param_norm=pnorm if pn else None,
+        inputs_finite=bool(in_ok),
+        outputs_finite=bool(out_ok),
+        scale=scale_value,
+        grad_norms=grad_norms,
+        param_norms=param_norms,
+    )
+
+
+def _pick_device(*groups: Sequence[torch.Tensor]) -> torch.device:
+    for group in groups:
+        for t in group:
+            return t.device
+    return torch.device("cpu")
+
+
+def nonfinite_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> list[dict[str, object]]:
+    """Exact per-tensor non-finite counts; only called after the sentinel saw trouble."""
+    out: list[dict[str, object]] = []
+    for name, t in named:
+        if not (t.is_floating_point() or t.is_complex()):
+            continue
+        t = t.detach()
+        nan = int(torch.isnan(t).sum())
+        inf = int(torch.isinf(t).sum())
+        if nan or inf:
+            out.append({"name": name, "nan": nan, "inf": inf, "numel": t.numel(), "shape": list(t.shape)})
+    return out

@@ -1,0 +1,84 @@
+"""First diagnosis from the sentinel's figures alone: which kind of incident, in which
+phase, and a provisional cause. Localisation (a replay of the step) refines op, module,
+source and cause afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..detection.sentinel import StepHealth
+from ..detection.spikes import RobustSpikeDetector
+from .patterns import explain
+
+
+@dataclasses.dataclass
+class Finding:
+    step: int
+    kind: str
+    phase: str | None
+    cause: str
+    module: str | None
+    summary: str
+    fix: str
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    benign: bool = False
+    """True when the update itself is unaffected (logged, never blocks)."""
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4g}"
+
+
+def triage(
+    health: StepHealth,
+    *,
+    step: int,
+    scaler_active: bool,
+    loss_spikes: RobustSpikeDetector | None,
+    grad_spikes: RobustSpikeDetector | None,
+    last_applied: int | None,
+) -> Finding | None:
+    """Classify the step; ``None`` when it is healthy (or a normal GradScaler calibration skip)."""
+    unknown_fix = explain("unknown")[1]
+    if not health.params_finite:
+        if last_applied is None:
+            summary, fix = explain("nonfinite_param")
+            return Finding(step, "nonfinite_param", None, "nonfinite_param", None, summary, fix)
+        summary, fix = explain("optimizer_state", detail=f"the update of step {last_applied}")
+        return Finding(last_applied, "nonfinite_param", "optimizer", "optimizer_state", None, summary, fix,
+                       details={"detected_at_step": step})
+    if not health.inputs_finite:
+        summary, fix = explain("nonfinite_input", detail="in the tensors passed to the model's forward")
+        return Finding(step, "nonfinite_input", "data", "nonfinite_input", None, summary, fix)
+    if not health.loss_finite:
+        inside = not health.outputs_finite
+        where = "inside the model (its outputs were already non-finite)" if inside else "in the loss computation (the model's outputs were finite)"
+        return Finding(step, "nonfinite_loss", "forward", "unknown", "" if inside else None,
+                       f"The loss is {_fmt(health.loss)} at step {step}; the first non-finite value arose {where}.",
+                       unknown_fix)
+    if not health.outputs_finite:
+        return Finding(step, "nonfinite_activation", "forward", "unknown", "",
+                       f"The model's outputs hold non-finite values at step {step}, but the loss and gradients are finite.",
+                       "Look for outputs that the loss masks out (padding positions, ignored classes): they are "
+                       "harmless now but will poison any loss that reads them.", benign=health.grads_finite)
+    if not health.grads_finite:
+        if scaler_active:
+            return None  # the GradScaler's own calibration: it skips this step and lowers the scale
+        return Finding(step, "nonfinite_grad", "backward", "unknown", None,
+                       f"The loss is finite ({_fmt(health.loss)}) but gradients are non-finite at step {step}: "
+                       "the first non-finite value arose in backward.", unknown_fix)
+    spike = loss_spikes.update(health.loss) if loss_spikes is not None and health.loss is not None else None
+    boom = grad_spikes.update(health.grad_norm) if grad_spikes is not None and health.grad_norm is not None else None
+    if spike is not None:
+        detail = f"{spike.value:.4g} against a median of {spike.median:.4g} over the last {spike.window} steps, {spike.ratio:.1f}×, robust z = {spike.zscore:.1f}"
+        summary, fix = explain("loss_divergence", detail=detail)
+        return Finding(step, "loss_spike", "forward", "loss_divergence", None, summary, fix,
+                       details={"value": spike.value, "median": spike.median, "ratio": spike.ratio, "zscore": spike.zscore})
+    if boom is not None:
+        detail = f"to a norm of {boom.value:.4g} against a median of {boom.median:.4g} over the last {boom.window} steps, {boom.ratio:.1f}×, robust z = {boom.zscore:.1f}"
+        summary, fix = explain("gradient_explosion", detail=detail)
+        return Finding(step, "grad_explosion", "backward", "gradient_explosion", None, summary, fix,
+                       details={"value": boom.value, "median": boom.median, "ratio": boom.ratio, "zscore": boom.zscore})
+    return None

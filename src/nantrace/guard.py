@@ -1,0 +1,615 @@
+"""The always-on guard: hooks a model, optimizer and GradScaler without changing the
+user's loop, checks every optimizer step with one fused reduction, and applies the
+response policy before a corrupted update can land.
+
+Usage::
+
+    guard = nantrace.watch(model, optimizer, run_dir="runs/exp1")
+    for batch in loader:
+        optimizer.zero_grad()
+        loss = loss_fn(model(batch.x), batch.y)
+        loss.backward()
+        optimizer.step()          # skipped (and reported) if anything is non-finite
+    guard.close()
+
+    # stderr, when step 812 goes wrong:
+    # ╭─ nantrace · step 812 · nonfinite_loss · skipped ─────────────────╮
+    # │ what    log of an argument outside its domain in module 'head' … │
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from . import console
+from ._interception import INTERCEPTOR
+from .capture import (
+    AutocastState,
+    CallRecord,
+    ForwardRecord,
+    RngState,
+    StepCapture,
+    all_finite,
+    floating_tensors,
+)
+from .config import Config
+from .detection.scaler import ScalerMonitor
+from .detection.sentinel import StepHealth, measure, nonfinite_tensors
+from .detection.spikes import RobustSpikeDetector
+from .diagnosis.triage import Finding, triage
+from .errors import NonFiniteError
+from .incident import Incident
+from .response.policies import POLICIES, action_for
+from .storage.runstore import RunStore
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's own module inside DDP/FSDP/``torch.compile`` wrappers."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
+            getattr(model, "module", None), nn.Module
+        ):
+            model = model.module
+        else:
+            break
+    return model
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+class _Decision:
+    __slots__ = ("health", "incident", "block", "scaler_skip", "stashed")
+
+    def __init__(self, health: StepHealth, incident: Incident | None, block: bool, scaler_skip: bool) -> None:
+        self.health = health
+        self.incident = incident
+        self.block = block
+        self.scaler_skip = scaler_skip
+        self.stashed: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+
+
+class Guard:
+    """Watches one model (and its optimizer / GradScaler) for numerical failures.
+
+    Created by :func:`nantrace.watch`. ``incidents`` lists what was found, oldest first;
+    ``close()`` removes every hook and leaves model, optimizer and scaler as found.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scaler: Any,
+        *,
+        run_dir: str | os.PathLike[str] | None,
+        on_anomaly: str,
+        config: Config,
+    ) -> None:
+        self.model = model
+        self.root = unwrap_model(model)
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.policy = on_anomaly
+        self.config = config
+        self.run_dir = os.fspath(run_dir) if run_dir is not None else None
+        self.rank = _rank()
+        self.incidents: list[Incident] = []
+        self.step = 0
+        self.closed = False
+
+        self._handles: list[Any] = []
+        self._scaler_originals: dict[str, Any] = {}
+        self._capture = StepCapture()
+        self._decision: _Decision | None = None
+        self._in_scaler_step = False
+        self._unscaled = False
+        self._replaying = False
+        self._mutable_buffers: set[str] | None = None
+        self._bundles_written = 0
+        self._last_applied: int | None = None
+        self._recorder: deque[dict[str, Any]] = deque(maxlen=config.flight_recorder)
+        self._loss_spikes = RobustSpikeDetector(
+            window=config.spike_window, warmup=config.spike_warmup,
+            sigma=config.spike_sigma, min_ratio=config.loss_spike_min_ratio,
+        )
+        self._grad_spikes = RobustSpikeDetector(
+            window=config.spike_window, warmup=config.spike_warmup,
+            sigma=config.spike_sigma, min_ratio=config.explosion_min_ratio,
+        )
+        self._scaler_monitor = ScalerMonitor(max_skips=config.scaler_max_skips, min_scale=config.scaler_min_scale)
+
+        names = {id(p): n for n, p in self.root.named_parameters()}
+        params = self._optimizer_params() if optimizer is not None else [p for p in self.root.parameters()]
+        self._params: list[torch.Tensor] = [p for p in params if p.requires_grad]
+        self._param_names: list[str] = [names.get(id(p), f"param[{i}]") for i, p in enumerate(self._params)]
+        self.store: RunStore | None = None
+        try:
+            if self.run_dir is not None:
+                self.store = RunStore(self.run_dir)
+                self._write_meta()
+            self._install()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ set-up
+    def _optimizer_params(self) -> list[torch.Tensor]:
+        assert self.optimizer is not None
+        seen: set[int] = set()
+        out = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _install(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._forward_post, with_kwargs=True))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
+            self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
+        if self.scaler is not None:
+            self._patch_scaler()
+        INTERCEPTOR.add(id(self), self._on_loss)
+
+    def _patch_scaler(self) -> None:
+        scaler = self.scaler
+        guard_ref = weakref.ref(self)
+
+        for name in ("scale", "unscale_", "step"):
+            had_instance_attr = name in scaler.__dict__
+            self._scaler_originals[name] = scaler.__dict__[name] if had_instance_attr else None
+            bound = getattr(scaler, name)
+            wrapper = getattr(self, f"_scaler_{name}")(bound, guard_ref)
+            wrapper._nantrace_guard = True
+            setattr(scaler, name, wrapper)
+
+    @staticmethod
+    def _scaler_scale(original: Callable[..., Any], guard_ref: Any) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def scale(outputs: Any) -> Any:
+            scaled = original(outputs)
+            guard = guard_ref()
+            if guard is not None and not guard.closed and isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+                guard._record_loss(outputs)
+                try:
+                    scaled._nantrace_scaled = True
+                except AttributeError:
+                    pass
+            return scaled
+
+        return scale
+
+    @staticmethod
+    def _scaler_unscale_(original: Callable[..., Any], guard_ref: Any) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def unscale_(optimizer: Any) -> Any:
+            out = original(optimizer)
+            guard = guard_ref()
+            if guard is not None and optimizer is guard.optimizer:
+                guard._unscaled = True
+            return out
+
+        return unscale_
+
+    @staticmethod
+    def _scaler_step(original: Callable[..., Any], guard_ref: Any) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            guard = guard_ref()
+            if guard is None or guard.closed or optimizer is not guard.optimizer or not guard.scaler.is_enabled():
+                return original(optimizer, *args, **kwargs)
+            decision = guard._decide(grads_scaled=not guard._unscaled, via_scaler=True)
+            guard._in_scaler_step = True
+            try:
+                result = original(optimizer, *args, **kwargs)
+            finally:
+                guard._in_scaler_step = False
+                guard._restore_grads(decision)
+            guard._finish_step(decision)
+            return result
+
+        return step
+
+    def _write_meta(self) -> None:
+        assert self.store is not None
+        from . import __version__
+
+        self.store.set_meta("nantrace_version", __version__)
+        self.store.set_meta("torch_version", torch.__version__)
+        self.store.set_meta("model_class", type(self.root).__name__)
+        self.store.set_meta("optimizer_class", type(self.optimizer).__name__ if self.optimizer else None)
+        self.store.set_meta("scaler", self.scaler is not None)
+        self.store.set_meta("policy", self.policy)
+        self.store.set_meta("config", self.config.to_dict())
+        self.store.set_meta("param_names", self._param_names)
+        self.store.set_meta("num_parameters", sum(p.numel() for p in self._params))
+        self.store.set_meta("rank", self.rank)
+        self.store.set_meta("pid", os.getpid())
+
+    # ------------------------------------------------------------ capture hooks
+    def _forward_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.closed or self._replaying or not torch.is_grad_enabled():
+            return
+        record = ForwardRecord(
+            args=args,
+            kwargs=kwargs,
+            rng=RngState.current(),
+            autocast=AutocastState.current(),
+            buffers=self._snapshot_buffers(),
+        )
+        self._capture.forwards.append(record)
+        if self.config.check_inputs:
+            flag = all_finite(floating_tensors((args, kwargs)))
+            if flag is not None:
+                self._capture.and_inputs(flag)
+
+    def _forward_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.closed or self._replaying or not torch.is_grad_enabled() or not self._capture.forwards:
+            return
+        record = self._capture.forwards[-1]
+        if self._mutable_buffers is None and record.buffers is not None:
+            self._mutable_buffers = {
+                n for n, b in self.root.named_buffers() if n in record.buffers and b._version != record.buffers[n]._nantrace_version  # type: ignore[attr-defined]
+            }
+        outputs = floating_tensors(output)
+        if self.config.check_outputs:
+            flag = all_finite(outputs)
+            if flag is not None:
+                self._capture.and_outputs(flag)
+        if self.config.keep_output_grads:
+            for i, t in enumerate(outputs):
+                if t.requires_grad:
+                    t.register_hook(functools.partial(_keep_grad, record, i))
+
+    def _snapshot_buffers(self) -> dict[str, torch.Tensor] | None:
+        if not self.config.snapshot_buffers:
+            return None
+        out = {}
+        for name, buf in self.root.named_buffers():
+            if self._mutable_buffers is not None and name not in self._mutable_buffers:
+                continue
+            copy = buf.detach().clone()
+            if self._mutable_buffers is None:
+                copy._nantrace_version = buf._version  # type: ignore[attr-defined]
+            out[name] = copy
+        return out
+
+    def _on_loss(self, loss: torch.Tensor) -> None:
+        if self.closed or self._replaying:
+            return
+        if self._capture.forwards or self._capture.calls:
+            self._record_loss(loss)
+
+    def _record_loss(self, loss: torch.Tensor) -> None:
+        if self.config.check_loss and not self._replaying:
+            self._capture.losses.append(loss.detach())
+
+    def replayable(self, fn: F) -> F:
+        """Wrap the loss computation (``batch -> loss``, forward only) so a failing step can be
+        replayed whole, loss function included."""
+        if not callable(fn):
+            raise TypeError(f"guard.replayable expects a callable (batch -> loss), got {type(fn).__name__}")
+        guard_ref = weakref.ref(self)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            guard = guard_ref()
+            if guard is None or guard.closed or guard._replaying or not torch.is_grad_enabled():
+                return fn(*args, **kwargs)
+            record = CallRecord(fn=fn, args=args, kwargs=kwargs, rng=RngState.current(),
+                                autocast=AutocastState.current(), buffers=guard._snapshot_buffers())
+            guard._capture.calls.append(record)
+            result = fn(*args, **kwargs)
+            if isinstance(result, torch.Tensor):
+                record.loss = result.detach()
+            return result
+
+        wrapper._nantrace_replayable = fn  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    # ------------------------------------------------------------ step hooks
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.closed:
+            return
+        if self._in_scaler_step:
+            decision = self._decision
+        elif len(args) > 1 or kwargs.get("closure") is not None:  # args[0] is the optimizer itself
+            decision = None  # closure optimizers (LBFGS) evaluate the loss inside step()
+        else:
+            decision = self._decide(grads_scaled=False)
+        if decision is not None and decision.block:
+            decision.stashed = [(p, p.grad) for p in self._params]
+            for p in self._params:
+                p.grad = None
+
+    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.closed or self._in_scaler_step:
+            return
+        decision = self._decision
+        if decision is None:
+            self._decision = None
+            self._finish_closure_step()
+            return
+        self._restore_grads(decision)
+        self._finish_step(decision)
+
+    def _restore_grads(self, decision: _Decision) -> None:
+        if decision.stashed is not None:
+            for p, g in decision.stashed:
+                p.grad = g
+            decision.stashed = None
+
+    # ------------------------------------------------------------ the decision
+    def _grads(self) -> tuple[list[torch.Tensor], list[int]]:
+        grads, index = [], []
+        for i, p in enumerate(self._params):
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                g = g.coalesce().values()
+            grads.append(g.detach())
+            index.append(i)
+        return grads, index
+
+    def _decide(self, *, grads_scaled: bool, via_scaler: bool = False) -> _Decision:
+        """Read the step's health (one host sync), find what is wrong, apply the policy."""
+        grads, grad_index = self._grads()
+        capture = self._capture
+        health = measure(
+            grads=grads,
+            params=[p.detach() for p in self._params] if self.config.check_params else [],
+            losses=capture.losses + [c.loss for c in capture.calls if c.loss is not None and not capture.losses],
+            inputs_ok=capture.inputs_ok,
+            outputs_ok=capture.outputs_ok,
+            scale=getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() else None,
+            grads_scaled=grads_scaled and self.scaler is not None,
+        )
+        finding = triage(
+            health,
+            step=self.step,
+            scaler_active=via_scaler,
+            loss_spikes=self._loss_spikes if self.config.detect_loss_spikes else None,
+            grad_spikes=self._grad_spikes if self.config.detect_grad_explosion else None,
+            last_applied=self._last_applied,
+        )
+        scaler_skip = via_scaler and not health.grads_finite and finding is None
+        incident = None
+        block = False
+        if finding is not None:
+            incident = self._make_incident(finding, health, grads, grad_index)
+            block = incident.action != "logged"
+        decision = _Decision(health, incident, block, scaler_skip)
+        self._decision = decision
+        if incident is not None:
+            self._report(incident, decision)
+        return decision
+
+    def _make_incident(self, finding: Finding, health: StepHealth, grads: list[torch.Tensor], grad_index: list[int]) -> Incident:
+        finite_trouble = finding.kind in ("loss_spike", "grad_explosion", "scaler_collapse")
+        action = action_for(self.policy, finding, finite_trouble=finite_trouble, config=self.config)
+        details: dict[str, Any] = dict(finding.details)
+        if not health.grads_finite:
+            details["nonfinite_grads"] = nonfinite_tensors([(self._param_names[i], g) for i, g in zip(grad_index, grads)])
+        if not health.params_finite:
+            details["nonfinite_params"] = nonfinite_tensors(list(zip(self._param_names, self._params)))
+        details["loss"] = health.loss
+        details["grad_norm"] = health.grad_norm
+        if health.scale is not None:
+            details["loss_scale"] = health.scale
+        return Incident(
+            step=finding.step,
+            kind=finding.kind,
+            phase=finding.phase,
+            op=None,
+            module=finding.module,
+            source=None,
+            rank=self.rank,
+            cause=finding.cause,
+            summary=finding.summary,
+            fix=finding.fix,
+            action=action,
+            details=details,
+            history=list(self._recorder),
+        )
+
+    def _report(self, incident: Incident, decision: _Decision) -> None:
+        """Localise (when enabled), keep, store and print the incident; raise if the policy says so."""
+        if self.config.localise and incident.kind.startswith("nonfinite"):
+            from .localisation.localiser import localise_incident
+
+            localise_incident(self, incident, self._capture)
+        if self.policy == "pause" or (self.config.save_bundle and self.store is not None and incident.kind.startswith("nonfinite")):
+            self._write_bundle(incident)
+        self.incidents.append(incident)
+        if self.store is not None:
+            self.store.log_incident(incident)
+        if self.config.print_incidents:
+            console.print_incident(incident)
+        if incident.action in ("raised", "paused"):
+            self._finish_step(decision, raised=True)
+            raise NonFiniteError(incident)
+
+    def _write_bundle(self, incident: Incident) -> None:
+        if self.store is None or self._bundles_written >= self.config.max_bundles:
+            return
+        try:
+            from .storage.bundle import write_bundle
+        except ImportError:  # bundles arrive with the localisation layer
+            return
+        incident.bundle = write_bundle(self, incident, self._capture)
+        self._bundles_written += 1
+
+    # ------------------------------------------------------------ bookkeeping
+    def _finish_step(self, decision: _Decision, *, raised: bool = False) -> None:
+        health = decision.health
+        skipped = decision.block or decision.scaler_skip or raised
+        if decision.incident is None or decision.incident.kind not in ("nonfinite_param", "optimizer_state"):
+            if self.scaler is not None:
+                collapse = self._scaler_monitor.update(skipped=decision.scaler_skip, scale=health.scale)
+                if collapse is not None and not raised:
+                    self._report_collapse(collapse, decision)
+        action = decision.incident.action if decision.incident is not None else ("scaler_skip" if decision.scaler_skip else None)
+        row = {
+            "step": self.step,
+            "loss": health.loss,
+            "grad_norm": health.grad_norm,
+            "param_norm": health.param_norm,
+            "scale": health.scale,
+            "skipped": skipped,
+            "action": action,
+        }
+        if self._recorder.maxlen:
+            self._recorder.append(row)
+        if not skipped:
+            self._last_applied = self.step
+        if self.store is not None:
+            self.store.log_step(
+                step=self.step, loss=health.loss, grad_norm=health.grad_norm, param_norm=health.param_norm,
+                lr=self._lrs(), scale=health.scale, skipped=skipped, action=action,
+                incident=decision.incident.id if decision.incident is not None else None,
+            )
+        self.step += 1
+        self._capture = StepCapture()
+        self._decision = None
+        self._unscaled = False
+
+    def _report_collapse(self, collapse: Any, decision: _Decision) -> None:
+        from .diagnosis.patterns import explain
+
+        summary, fix = explain("scaler_collapse", detail=collapse.reason)
+        incident = Incident(
+            step=self.step, kind="scaler_collapse", phase="backward", op=None, module=None, source=None,
+            rank=self.rank, cause="scaler_collapse", summary=summary, fix=fix,
+            action="logged" if self.policy == "skip" or self.config.finite_anomaly_action == "log" else action_for(
+                self.policy, None, finite_trouble=True, config=self.config),
+            details={"consecutive_skips": collapse.consecutive_skips, "scale": collapse.scale},
+            history=list(self._recorder),
+        )
+        decision.incident = decision.incident or incident
+        self.incidents.append(incident)
+        if self.store is not None:
+            self.store.log_incident(incident)
+        if self.config.print_incidents:
+            console.print_incident(incident)
+        if incident.action in ("raised", "paused"):
+            raise NonFiniteError(incident)
+
+    def _finish_closure_step(self) -> None:
+        self.step += 1
+        self._capture = StepCapture()
+
+    def _lrs(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        out = []
+        for g in self.optimizer.param_groups:
+            lr = g.get("lr")
+            if isinstance(lr, torch.Tensor):
+                lr = float(lr) if lr.device.type == "cpu" else float("nan")
+            out.append(float(lr) if lr is not None else float("nan"))
+        return out
+
+    # ------------------------------------------------------------ tear-down
+    def close(self) -> None:
+        """Remove every hook and restore the scaler; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.scaler is not None:
+            for name, original in self._scaler_originals.items():
+                current = self.scaler.__dict__.get(name)
+                if current is not None and getattr(current, "_nantrace_guard", False):
+                    if original is None:
+                        del self.scaler.__dict__[name]
+                    else:
+                        setattr(self.scaler, name, original)
+            self._scaler_originals.clear()
+        INTERCEPTOR.remove(id(self))
+        self._capture = StepCapture()
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> "Guard":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a forgotten guard must not leave the backward patch behind
+        try:
+            if not self.closed:
+                INTERCEPTOR.remove(id(self))
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<nantrace.Guard {state} step={self.step} incidents={len(self.incidents)} policy={self.policy!r}>"
+
+
+def _keep_grad(record: ForwardRecord, index: int, grad: torch.Tensor) -> None:
+    record.output_grads.append((index, grad.detach()))
+
+
+def watch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: Any = None,
+    *,
+    run_dir: str | os.PathLike[str] | None = None,
+    on_anomaly: str = "skip",
+    config: Config | None = None,
+) -> Guard:
+    """Watch ``model`` (and ``optimizer``/``scaler``) for numerical failures; see :class:`Guard`.
+
+    Arguments are validated before anything is hooked: a bad one raises ``TypeError`` or
+    ``ValueError`` naming what was expected, and leaves nothing behind.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"nantrace.watch: model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"nantrace.watch: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    if scaler is not None:
+        if not all(callable(getattr(scaler, n, None)) for n in ("scale", "step", "update", "unscale_", "is_enabled")):
+            raise TypeError(f"nantrace.watch: scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
+        if optimizer is None:
+            raise ValueError("nantrace.watch: a scaler was given without an optimizer; pass the optimizer the scaler steps")
+    if not isinstance(on_anomaly, str) or on_anomaly not in POLICIES:
+        raise ValueError(f"nantrace.watch: unknown on_anomaly {on_anomaly!r}; expected one of {', '.join(map(repr, POLICIES))}")
+    if config is None:
+        config = Config()
+    elif not isinstance(config, Config):
+        raise TypeError(f"nantrace.watch: config must be a nantrace.Config, got {type(config).__name__}")
+    if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+        raise TypeError(f"nantrace.watch: run_dir must be a path (str or os.PathLike) or None, got {type(run_dir).__name__}")
+    if run_dir is not None and os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ValueError(f"nantrace.watch: run_dir {os.fspath(run_dir)!r} exists and is not a directory")
+    return Guard(model, optimizer, scaler, run_dir=run_dir, on_anomaly=on_anomaly, config=config)

@@ -1,0 +1,160 @@
+"""From an incident seen by the sentinel to an exact diagnosis.
+
+Replays the failing step's captured units under the op tracer, finds the origin by the
+origin rule, re-runs in float32 when low precision was involved (overflow vs. a genuine
+math error), treats a failure the identical replay does not reproduce as transient, and
+writes op, module, source, cause, summary, fix, input statistics and chain into the
+incident. Costs nothing until an incident happens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..capture import CallRecord, StepCapture, floating_tensors
+from ..diagnosis.classify import LOW_PRECISION, Classification, classify
+from ..diagnosis.patterns import explain
+from .modules import ModuleStack
+from .origin import Origin, chain_summary, trace_back
+from .replay import float32_model, replay_scope, run_unit
+from .tracer import OpRecord, OpTracer
+
+if TYPE_CHECKING:
+    from ..guard import Guard
+    from ..incident import Incident
+
+
+def localise_incident(guard: "Guard", incident: "Incident", capture: StepCapture) -> None:
+    """Fill in ``incident`` from a replay of the step; never raises into the training loop."""
+    start = time.perf_counter()
+    try:
+        _localise(guard, incident, capture)
+    except Exception as exc:  # a diagnosis that fails must not take the training run down
+        incident.details["localisation_error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        incident.details["localisation_seconds"] = round(time.perf_counter() - start, 4)
+
+
+def _externals(guard: "Guard", units: list[Any]) -> dict[int, str]:
+    ext: dict[int, str] = {}
+    for name, p in guard.root.named_parameters():
+        ext[id(p)] = f"param:{name}"
+    for name, b in guard.root.named_buffers():
+        ext[id(b)] = f"buffer:{name}"
+    for unit in units:
+        for t in floating_tensors((unit.args, unit.kwargs)):
+            ext[id(t)] = "input"
+    return ext
+
+
+def _param_modules(guard: "Guard") -> dict[str, str]:
+    names = [n for n, _ in guard.root.named_parameters()] + [n for n, _ in guard.root.named_buffers()]
+    return {n: n.rpartition(".")[0] for n in names}
+
+
+def _is_low_precision(guard: "Guard", unit: Any) -> bool:
+    if unit.autocast.low_precision:
+        return True
+    if any(p.dtype in LOW_PRECISION for p in guard._params):
+        return True
+    return any(t.dtype in LOW_PRECISION for t in floating_tensors((unit.args, unit.kwargs)))
+
+
+def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> None:
+    units: list[Any] = list(capture.calls) or list(capture.forwards)
+    if not units:
+        incident.details["localisation"] = "nothing to replay: no forward of the watched model ran in this step"
+        return
+    replayable = isinstance(units[0], CallRecord)
+    compiled = hasattr(guard.model, "_orig_mod")
+    externals = _externals(guard, units)
+    observed_in: str | None = None
+    start: OpRecord | None = None
+    origin: Origin | None = None
+    failing_unit = None
+    tracer: OpTracer | None = None
+    finite32: bool | None = None
+    with replay_scope(guard):
+        for index, unit in enumerate(units):
+            modules = ModuleStack(guard.root)
+            tracer = OpTracer(modules, externals)
+            with modules, tracer:
+                result = run_unit(guard, unit)
+                tracer.flush()
+            if not result.forward_finite:
+                observed_in = "forward"
+                bad = [t for t in result.observed if not bool(torch.isfinite(t).all())]
+                start = next((tracer.producer.get(t) for t in bad if tracer.producer.get(t) is not None), None)
+            elif result.output_grads_finite is False:
+                observed_in = "loss_function"
+            elif result.grads_finite is False:
+                observed_in = "backward"
+                start = next((r for r in tracer.records if r.phase == "backward"), None)
+            else:
+                continue
+            failing_unit = unit
+            incident.details["replayed_unit"] = index
+            break
+        incident.details["ops_replayed"] = tracer.ops_seen if tracer is not None else 0
+        if observed_in is not None and failing_unit is not None and guard.config.precision_check and _is_low_precision(guard, failing_unit):
+            with float32_model(guard.root):
+                r32 = run_unit(guard, failing_unit, full_precision=True, backward=observed_in == "backward")
+            finite32 = r32.forward_finite and r32.grads_finite is not False
+            incident.details["float32_rerun_finite"] = finite32
+
+    if observed_in is None:
+        _not_reproduced(incident, compiled)
+        return
+    incident.transient = False
+    if observed_in == "loss_function":
+        summary = (f"The gradient arriving at the model's outputs is already non-finite at step {incident.step}: "
+                   "it arose in the loss computation outside the model.")
+        incident.phase = incident.phase or "backward"
+        incident.module = None
+        incident.summary = summary
+        incident.fix = ("Wrap the loss computation with guard.replayable(loss_fn) so nantrace can replay it "
+                        "and name the op and line.")
+        return
+    if start is None:
+        incident.details["localisation"] = "the non-finite value was observed but no traced op produced it"
+        return
+    origin = trace_back(start)
+    cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=_param_modules(guard))
+    _apply(incident, cls, origin, replayable=replayable)
+
+
+def _apply(incident: "Incident", cls: Classification, origin: Origin, *, replayable: bool) -> None:
+    incident.op = cls.op
+    incident.module = cls.module
+    incident.source = cls.source
+    incident.phase = cls.phase
+    incident.cause = cls.cause
+    incident.input_stats = cls.stats
+    incident.chain = chain_summary(origin)
+    summary, fix = explain(cls.cause, cls.op, module=cls.module, dtype=cls.dtype, detail=cls.detail,
+                           max_value=f"{torch.finfo(getattr(torch, cls.dtype)).max:g}" if cls.dtype in ("float16", "bfloat16") else "")
+    if cls.cause == "nonfinite_param" and cls.detail:
+        summary = f"A parameter was already non-finite before step {incident.step}: {cls.detail}."
+    incident.summary = summary
+    incident.fix = fix
+    if origin.intentional_inf:
+        incident.details["intentional_inf"] = True
+
+
+def _not_reproduced(incident: "Incident", compiled: bool) -> None:
+    if compiled:
+        incident.transient = None
+        incident.details["compiled_only"] = True
+        incident.summary = (f"The failure at step {incident.step} does not reproduce when the step is replayed in eager "
+                            "mode: it comes from the torch.compile'd graph (a fused kernel's numerics or a compiler bug).")
+        incident.fix = ("Confirm with torch.compile(..., backend='aot_eager') to bisect compiler stages, and run the "
+                        "failing region eagerly (torch.compiler.disable) until it is fixed.")
+        return
+    incident.transient = True
+    incident.summary = (f"The failure at step {incident.step} did not reproduce on an identical re-run (same batch, "
+                        "weights and RNG): a transient fault such as a nondeterministic kernel, a race or a hardware error.")
+    incident.fix = ("Skipping the step was the right response; if it recurs, run the hardware diagnostics (e.g. "
+                    "nvidia-smi -q, DCGM) and enable torch.use_deterministic_algorithms(True) to rule out nondeterminism.")

@@ -1,0 +1,142 @@
+"""Deterministic replay of one captured unit of a step (a model forward, or a whole
+``replayable`` loss call), with its backward, leaving training state exactly as found.
+
+The replay restores the RNG and buffers recorded before the unit ran, re-enters the same
+autocast state, and computes gradients with ``torch.autograd.grad`` so that no ``.grad``
+is touched. Afterwards RNG, buffers and parameter dtypes are put back bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..capture import CallRecord, ForwardRecord, RngState, floating_tensors
+
+if TYPE_CHECKING:
+    from ..guard import Guard
+
+Unit = ForwardRecord | CallRecord
+
+
+@dataclasses.dataclass
+class UnitResult:
+    """What one replayed unit produced."""
+
+    observed: list[torch.Tensor]
+    forward_finite: bool
+    grads_finite: bool | None
+    output_grads_finite: bool | None
+    error: str | None = None
+
+
+@contextlib.contextmanager
+def replay_scope(guard: "Guard") -> Iterator[None]:
+    """Save RNG and buffers, mark the guard as replaying; restore everything on exit."""
+    rng = RngState.current()
+    buffers = {n: b.detach().clone() for n, b in guard.root.named_buffers()}
+    was_training = guard.root.training
+    guard._replaying = True
+    try:
+        with _eager():
+            yield
+    finally:
+        guard._replaying = False
+        guard.root.train(was_training)
+        with torch.no_grad():
+            for n, b in guard.root.named_buffers():
+                if n in buffers and b.shape == buffers[n].shape:
+                    b.copy_(buffers[n])
+        rng.restore()
+
+
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
+    """Run ``torch.compile``d code eagerly, so hooks and the tracer see every op."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
+
+
+@contextlib.contextmanager
+def float32_model(root: nn.Module) -> Iterator[None]:
+    """Temporarily hold low-precision parameters and buffers in float32 (exact round trip)."""
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for t in list(root.parameters()) + list(root.buffers()):
+        if t.dtype in (torch.float16, torch.bfloat16):
+            saved.append((t, t.data))
+            t.data = t.data.float()
+    try:
+        yield
+    finally:
+        for t, data in saved:
+            t.data = data
+
+
+def _upcast(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype in (torch.float16, torch.bfloat16) else obj
+    if isinstance(obj, dict):
+        return {k: _upcast(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_upcast(v) for v in obj)
+    return obj
+
+
+def run_unit(guard: "Guard", unit: Unit, *, full_precision: bool = False, backward: bool = True) -> UnitResult:
+    """Replay one unit from its recorded state. Call inside :func:`replay_scope`."""
+    unit.rng.restore()
+    if unit.buffers:
+        with torch.no_grad():
+            for n, b in guard.root.named_buffers():
+                if n in unit.buffers and b.shape == unit.buffers[n].shape:
+                    b.copy_(unit.buffers[n])
+    args, kwargs = unit.args, unit.kwargs
+    if full_precision:
+        args, kwargs = _upcast(args), _upcast(kwargs)
+    if full_precision:
+        contexts: list[Any] = [torch.autocast("cpu", enabled=False)]
+        if torch.cuda.is_available():
+            contexts.append(torch.autocast("cuda", enabled=False))
+    else:
+        contexts = unit.autocast.contexts()
+    with contextlib.ExitStack() as stack, torch.enable_grad():
+        for ctx in contexts:
+            stack.enter_context(ctx)
+        if isinstance(unit, CallRecord):
+            result = unit.fn(*args, **kwargs)
+        else:
+            result = guard.root(*args, **kwargs)
+    observed = floating_tensors(result)
+    forward_finite = all(bool(torch.isfinite(t).all()) for t in observed)
+    if not forward_finite or not backward:
+        return UnitResult(observed, forward_finite, None, None)
+    params = [p for p in guard._params if p.requires_grad]
+    if isinstance(unit, CallRecord):
+        roots = [t for t in observed if t.requires_grad and t.numel() == 1][:1]
+        grad_outputs: list[torch.Tensor] | None = None
+        output_grads_finite = None
+    else:
+        recorded = dict(unit.output_grads)
+        roots, grad_outputs = [], []
+        for i, t in enumerate(observed):
+            if i in recorded and t.requires_grad:
+                g = recorded[i]
+                roots.append(t)
+                grad_outputs.append(g.float() if full_precision and g.dtype != t.dtype else g.to(t.dtype))
+        output_grads_finite = all(bool(torch.isfinite(g).all()) for g in grad_outputs) if grad_outputs else None
+        if output_grads_finite is False:
+            return UnitResult(observed, True, None, False)
+    if not roots:
+        return UnitResult(observed, True, None, output_grads_finite, error="no gradient to replay")
+    grads = torch.autograd.grad(roots, params, grad_outputs=grad_outputs, allow_unused=True)
+    grads_finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+    return UnitResult(observed, True, grads_finite, output_grads_finite)

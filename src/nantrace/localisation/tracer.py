@@ -1,0 +1,277 @@
+"""The op tracer: a dispatch mode that, during a replay only, checks every ATen op's
+outputs and keeps the provenance of every non-finite value.
+
+For each op whose output is non-finite it records which inputs carried NaN/Inf and which
+op produced them, so the origin can later be found by following dataflow (not just
+execution order). Forward ops are mapped to the autograd node they create, so backward
+ops are attributed to the forward op, module and source line they run for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from .modules import ModuleStack
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_NANTRACE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def format_source(filename: str, lineno: int) -> str:
+    """``path:LINE``, relative to the working directory when the file lies below it."""
+    try:
+        rel = os.path.relpath(filename)
+        if not rel.startswith(".."):
+            filename = rel
+    except ValueError:
+        pass
+    return f"{filename}:{lineno}"
+
+
+def user_source(skip: int = 2) -> str | None:
+    """The innermost frame outside torch and nantrace: the user's line that issued the op."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_TORCH_DIR) or name.startswith(_NANTRACE_DIR) or name.startswith("<frozen")):
+            return format_source(name, frame.f_lineno)
+        frame = frame.f_back
+    return None
+
+
+def op_name(func: Any) -> str:
+    """``aten.log.default`` for an OpOverload."""
+    return f"{func.namespace}.{func._schema.name.split('::')[-1]}.{func._overloadname}"
+
+
+def tensor_stats(t: torch.Tensor, arg: str) -> dict[str, Any]:
+    """dtype, shape, min, max, smallest |x|, counts of zeros, negatives, NaN and Inf."""
+    out: dict[str, Any] = {"arg": arg, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    x = t.detach()
+    if x.numel() == 0:
+        return out
+    if x.is_floating_point():
+        x = x.double()
+        nan = torch.isnan(x)
+        valid = x[~nan]
+        out.update(
+            min=float(valid.min()) if valid.numel() else math.nan,
+            max=float(valid.max()) if valid.numel() else math.nan,
+            min_abs=float(valid.abs().min()) if valid.numel() else math.nan,
+            zeros=int((x == 0).sum()),
+            negatives=int((x < 0).sum()),
+            nan=int(nan.sum()),
+            inf=int(torch.isinf(x).sum()),
+            numel=x.numel(),
+        )
+    elif x.dtype == torch.bool:
+        out.update(true=int(x.sum()), numel=x.numel(), min=int(x.min()), max=int(x.max()))
+    elif not x.is_complex():
+        out.update(min=int(x.min()), max=int(x.max()), numel=x.numel(), negatives=int((x < 0).sum()), zeros=int((x == 0).sum()))
+    return out
+
+
+@dataclasses.dataclass(eq=False)
+class OpInfo:
+    """A forward op call, kept so backward ops can be attributed to it."""
+
+    op: str
+    module: str | None
+    source: str | None
+    index: int
+    record: "OpRecord | None" = None
+    args: tuple[Any, ...] | None = None
+    kwargs: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class InputRef:
+    """One tensor argument of a recorded op: what it carried and where it came from."""
+
+    position: str
+    nan: bool
+    inf: bool
+    producer: "OpRecord | None"
+    external: str | None
+
+
+@dataclasses.dataclass(eq=False)
+class OpRecord:
+    """An op whose output held NaN or Inf."""
+
+    index: int
+    op: str
+    phase: str
+    module: str | None
+    source: str | None
+    node: str | None
+    forward: OpInfo | None
+    out_nan: bool
+    out_inf: bool
+    inputs: list[InputRef]
+    scalar_nonfinite: bool
+    args: tuple[Any, ...] | None = None
+    kwargs: dict[str, Any] | None = None
+    output: torch.Tensor | None = None
+
+    @property
+    def in_nan(self) -> bool:
+        return any(i.nan for i in self.inputs)
+
+    @property
+    def in_inf(self) -> bool:
+        return any(i.inf for i in self.inputs)
+
+    @property
+    def creates_nan(self) -> bool:
+        return self.out_nan and not self.in_nan
+
+    @property
+    def creates_nonfinite(self) -> bool:
+        return not self.in_nan and not self.in_inf
+
+    @property
+    def is_constant(self) -> bool:
+        """Made an infinity on purpose: from an explicit inf scalar (a -inf mask fill), not by overflowing."""
+        return self.creates_nonfinite and self.scalar_nonfinite and not self.out_nan
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "op": self.forward.op if self.phase == "backward" and self.forward else self.op,
+            "aten": self.op,
+            "phase": self.phase,
+            "node": self.node,
+            "module": self.module,
+            "source": self.source,
+            "produces": "nan" if self.out_nan else "inf",
+        }
+
+
+# Ops whose inputs are worth keeping during a replay: their derivative has singular points,
+# so a backward origin in them is explained by their forward inputs (zeros, ±1, negatives).
+_KEEP_INPUTS = {
+    "sqrt", "rsqrt", "pow", "linalg_vector_norm", "norm", "acos", "asin", "atan2", "_cdist_forward",
+    "cdist", "div", "reciprocal", "log", "log2", "log10", "log1p", "exp", "expm1", "where", "masked_fill",
+    "_softmax", "_log_softmax", "native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional", "native_group_norm", "lgamma", "digamma", "xlogy", "sinh", "cosh",
+    "mm", "bmm", "addmm", "baddbmm", "mul",
+}
+
+
+class OpTracer(TorchDispatchMode):
+    """Checks each op during a replay; records non-finite provenance and forward→backward links."""
+
+    def __init__(self, modules: ModuleStack, externals: dict[int, str]) -> None:
+        super().__init__()
+        self.modules = modules
+        self.externals = externals
+        self.records: list[OpRecord] = []
+        self.producer: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.node_info: dict[Any, OpInfo] = {}
+        self._pending: list[tuple[weakref.ref[torch.Tensor], OpInfo]] = []
+        self.index = 0
+        self.ops_seen = 0
+
+    # The mode is switched off while its own __torch_dispatch__ runs, so the checks
+    # below do not recurse into it.
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        node = torch._C._current_autograd_node()
+        pre = self._mutated_flags(func, args, kwargs) if func._schema.is_mutable else None
+        out = func(*args, **kwargs)
+        self.index += 1
+        self.ops_seen += 1
+        name = op_name(func)
+        info: OpInfo | None = None
+        if node is None:
+            self.flush()
+            short = func._schema.name.split("::")[-1]
+            info = OpInfo(op=name, module=self.modules.current, source=user_source(3), index=self.index)
+            if short.rstrip("_") in _KEEP_INPUTS:
+                info.args, info.kwargs = args, kwargs
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+        if info is not None:
+            for t in outs:
+                self._pending.append((weakref.ref(t), info))
+        bad = [t for t in outs if t.numel() and not bool(torch.isfinite(t).all())]
+        if not bad:
+            return out
+        out_nan = any(bool(torch.isnan(t).any()) for t in bad)
+        out_inf = any(bool(torch.isinf(t).any()) for t in bad)
+        inputs = self._input_refs(args, kwargs, pre)
+        scalar_nonfinite = any(
+            isinstance(a, (float, int)) and not isinstance(a, bool) and not math.isfinite(a)
+            for a in tree_leaves((args, kwargs))
+        )
+        if node is not None:
+            finfo = self.node_info.get(node)
+            record = OpRecord(
+                index=self.index, op=name, phase="backward",
+                module=finfo.module if finfo else None, source=finfo.source if finfo else None,
+                node=node.name(), forward=finfo, out_nan=out_nan, out_inf=out_inf, inputs=inputs,
+                scalar_nonfinite=scalar_nonfinite,
+            )
+        else:
+            assert info is not None
+            record = OpRecord(
+                index=self.index, op=name, phase="forward", module=info.module, source=info.source,
+                node=None, forward=info, out_nan=out_nan, out_inf=out_inf, inputs=inputs,
+                scalar_nonfinite=scalar_nonfinite,
+            )
+            info.record = record
+        if (out_nan and not record.in_nan) or record.creates_nonfinite:
+            record.args, record.kwargs, record.output = args, kwargs, bad[0]
+        for t in bad:
+            self.producer[t] = record
+        self.records.append(record)
+        return out
+
+    def flush(self) -> None:
+        """Link forward ops to the autograd nodes that autograd attached to their outputs."""
+        pending, self._pending = self._pending, []
+        for ref, info in pending:
+            t = ref()
+            if t is None:
+                continue
+            fn = t.grad_fn
+            if fn is not None and fn not in self.node_info:
+                self.node_info[fn] = info
+
+    def _mutated_flags(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, tuple[bool, bool]]:
+        flags: dict[int, tuple[bool, bool]] = {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+                flags[id(value)] = (bool(torch.isnan(value).any()), bool(torch.isinf(value).any()))
+        return flags
+
+    def _input_refs(self, args: tuple[Any, ...], kwargs: dict[str, Any], pre: dict[int, tuple[bool, bool]] | None) -> list[InputRef]:
+        refs: list[InputRef] = []
+        named = [(f"arg{i}", a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]
+        for position, value in named:
+            tensors = [value] if isinstance(value, torch.Tensor) else [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+            for j, t in enumerate(tensors):
+                if not (t.is_floating_point() or t.is_complex()) or not t.numel():
+                    continue
+                if pre is not None and id(t) in pre:
+                    nan, inf = pre[id(t)]
+                else:
+                    nan, inf = bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+                producer = self.producer.get(t) if (nan or inf) else None
+                external = None
+                if (nan or inf) and producer is None:
+                    external = self.externals.get(id(t), "constant" if not nan else "unknown")
+                refs.append(InputRef(position if len(tensors) == 1 else f"{position}[{j}]", nan, inf, producer, external))
+        return refs

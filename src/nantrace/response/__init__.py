@@ -1,0 +1,1 @@
+"""Responses to an incident: which action a policy takes."""

@@ -1,0 +1,1 @@
+"""Persistence: the SQLite run store and the incident bundles."""
