@@ -409,6 +409,24 @@ def measure_memory(models: Sequence[str], variants: Sequence[str], *, repeats: i
 
 
 # =========================================================================== report
+def cpu_times() -> dict[str, int] | None:
+    """Aggregate CPU jiffies from /proc/stat (steal = time a VM's vCPUs waited for the host)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    return {n: int(v) for n, v in zip(names, fields)}
+
+
+def steal_share(before: dict[str, int] | None, after: dict[str, int] | None) -> float | None:
+    if not before or not after:
+        return None
+    total = sum(after.values()) - sum(before.values())
+    return (after["steal"] - before["steal"]) / total if total > 0 else None
+
+
 def environment(threads_set: int | None) -> dict[str, Any]:
     cpu = platform.processor()
     with contextlib.suppress(OSError):
@@ -573,21 +591,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {"environment": env, "argv": sys.argv, "config": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "_mem_child"}}
     t_start = time.perf_counter()
+    cpu_before = cpu_times()
     if args.timing:
         results["timing"] = {}
         for name in args.models:
             steps = args.steps_per_round or DEFAULT_STEPS.get(name, 20)
             log(f"timing {name}: {args.rounds} rounds x {steps} steps x {len(args.variants)} variants")
+            t0, c0 = time.perf_counter(), cpu_times()
             results["timing"][name] = time_model(
                 name, args.variants, rounds=args.rounds, steps=steps, warmup=args.warmup,
                 block_warmup=args.block_warmup, seed=args.seed, log=log)
+            results["timing"][name]["wall_s"] = time.perf_counter() - t0
+            results["timing"][name]["cpu_steal_share"] = steal_share(c0, cpu_times())
+            log(f"  {name} done in {results['timing'][name]['wall_s']:.0f} s")
     if args.memory:
         log(f"memory: {args.mem_repeats} subprocess runs x {args.mem_steps} steps per model x variant")
         results["memory"] = measure_memory(args.models, args.variants, repeats=args.mem_repeats, steps=args.mem_steps,
                                            seed=args.seed, threads=args.threads, log=log)
     results["wall_s"] = time.perf_counter() - t_start
+    results["cpu_steal_share"] = steal_share(cpu_before, cpu_times())
     print_report(results)
-    print(f"total wall time {results['wall_s']:.0f} s")
+    steal = results["cpu_steal_share"]
+    print(f"total wall time {results['wall_s']:.0f} s"
+          + (f"; CPU steal (host contention) {100 * steal:.1f}% of CPU time" if steal is not None else ""))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))

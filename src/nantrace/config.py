@@ -84,6 +84,10 @@ class Config:
     max_bundles: int = 10
     """At most this many bundles per run (the first ones are the informative ones)."""
 
+    model_factory: str | None = None
+    """``"module:callable"`` that rebuilds the model in a fresh process for ``nantrace replay``
+    (default: the model's class, when it is importable and takes no arguments)."""
+
     def __post_init__(self) -> None:
         _positive_int(self, "spike_window", minimum=8)
         _positive_int(self, "spike_warmup", minimum=4)
@@ -105,6 +109,8 @@ class Config:
             raise ValueError(
                 f"Config.finite_anomaly_action must be 'policy' or 'log', got {self.finite_anomaly_action!r}"
             )
+        if self.model_factory is not None and (not isinstance(self.model_factory, str) or ":" not in self.model_factory):
+            raise ValueError(f"Config.model_factory must be 'module:callable', got {self.model_factory!r}")
         for f in dataclasses.fields(self):
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise TypeError(f"Config.{f.name} must be a bool, got {getattr(self, f.name)!r}")

@@ -14,7 +14,8 @@ from rich.text import Text
 
 from .incident import Incident
 
-_STDERR = Console(stderr=True, highlight=False, soft_wrap=False)
+CONSOLE = Console(stderr=True, highlight=False, soft_wrap=False)
+"""The console nantrace prints incidents to; share it (e.g. with a rich Progress) to keep output tidy."""
 
 
 def source_snippet(source: str | None, context: int = 2) -> tuple[str, int, str] | None:
@@ -89,7 +90,7 @@ def render_incident(incident: Incident) -> Panel:
 
 
 def print_incident(incident: Incident, console: Console | None = None) -> None:
-    (console or _STDERR).print(render_incident(incident))
+    (console or CONSOLE).print(render_incident(incident))
 
 
 def incident_text(incident: Incident, width: int = 100) -> str:

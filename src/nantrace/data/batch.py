@@ -352,13 +352,16 @@ def _check_float(
                 kinds[r] = "+Inf and -Inf"
             else:
                 kinds[r] = "+Inf" if hi == np.inf else "-Inf"
-        seen = sorted(set(kinds.values()))
-        where = "samples" if t.ndim else "value"
         sample_list = rows if t.ndim else []
+        if t.ndim:
+            groups = {k: [r for r in rows if kinds[r] == k] for k in sorted(set(kinds.values()))}
+            where = ", ".join(f"{k} in sample{'s' if len(v) > 1 else ''} {_fmt_indices(v)}" for k, v in groups.items())
+            text = f"{leaf.path} contains {where} ({len(rows)} of {xr.shape[0]} samples)."
+        else:
+            text = f"{leaf.path} is {kinds[0]}."
         issues.append(DataIssue(
             "nonfinite_input", leaf.path, sample_list,
-            f"{leaf.path} contains {' and '.join(seen)} in {len(rows)} of {xr.shape[0]} "
-            f"{where} {_fmt_indices(rows) if t.ndim else ''}".rstrip() + ".",
+            text,
             "Find these records in the dataset (a failed decode, a division by a zero "
             "count, log of 0 in feature engineering, an overflow when casting to fp16) "
             "and fix or filter them; ValidatingCollate(policy='skip') drops them meanwhile.",

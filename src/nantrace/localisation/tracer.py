@@ -25,6 +25,7 @@ from .modules import ModuleStack
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _NANTRACE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_USER_CODE_IN_NANTRACE = (_NANTRACE_DIR + "demo" + os.sep,)  # the demo's model is user code
 
 
 def format_source(filename: str, lineno: int) -> str:
@@ -43,7 +44,10 @@ def user_source(skip: int = 2) -> str | None:
     frame = sys._getframe(skip)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not (name.startswith(_TORCH_DIR) or name.startswith(_NANTRACE_DIR) or name.startswith("<frozen")):
+        library = name.startswith(_TORCH_DIR) or (
+            name.startswith(_NANTRACE_DIR) and not name.startswith(_USER_CODE_IN_NANTRACE)
+        )
+        if not library and not name.startswith("<frozen"):
             return format_source(name, frame.f_lineno)
         frame = frame.f_back
     return None

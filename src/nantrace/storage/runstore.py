@@ -50,6 +50,21 @@ CREATE TABLE IF NOT EXISTS incidents (
     data   TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS incidents_step ON incidents(step);
+CREATE TABLE IF NOT EXISTS layer_stats (
+    step         INTEGER NOT NULL,
+    layer        INTEGER NOT NULL,
+    grad_norm    REAL,
+    param_norm   REAL,
+    update_ratio REAL,
+    PRIMARY KEY (step, layer)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS activation_stats (
+    step      INTEGER NOT NULL,
+    layer     INTEGER NOT NULL,
+    absmax    REAL,
+    nonfinite INTEGER NOT NULL,
+    PRIMARY KEY (step, layer)
+) WITHOUT ROWID;
 """
 
 
@@ -135,6 +150,20 @@ class RunStore:
             ),
         )
 
+    def log_layer_stats(self, step: int, rows: list[tuple[int, float | None, float | None, float | None]]) -> None:
+        """Per-layer figures of one step: (layer index into meta ``layer_names``, grad norm, param norm, update/param ratio)."""
+        self._conn.executemany(
+            "INSERT OR REPLACE INTO layer_stats(step, layer, grad_norm, param_norm, update_ratio) VALUES (?, ?, ?, ?, ?)",
+            [(step, layer, _num(g), _num(p), _num(u)) for layer, g, p, u in rows],
+        )
+
+    def log_activation_stats(self, step: int, rows: list[tuple[int, float | None, int]]) -> None:
+        """Per-module activation figures of one (sampled) step: (module index into meta ``activation_names``, abs-max, non-finite count)."""
+        self._conn.executemany(
+            "INSERT OR REPLACE INTO activation_stats(step, layer, absmax, nonfinite) VALUES (?, ?, ?, ?)",
+            [(step, layer, _num(a), int(n)) for layer, a, n in rows],
+        )
+
     def log_incident(self, incident: Incident) -> None:
         self._conn.execute(
             "INSERT OR REPLACE INTO incidents(id, step, kind, cause, phase, op, module, action, time, data)"
@@ -186,6 +215,17 @@ class RunStore:
             }
             for r in rows
         ]
+
+    def layer_stats(self) -> list[tuple[int, int, float | None, float | None, float | None]]:
+        """All (step, layer, grad_norm, param_norm, update_ratio) rows, by step then layer."""
+        rows = self._conn.execute(
+            "SELECT step, layer, grad_norm, param_norm, update_ratio FROM layer_stats ORDER BY step, layer"
+        ).fetchall()
+        return [(r[0], r[1], _unnum(r[2]), _unnum(r[3]), _unnum(r[4])) for r in rows]
+
+    def activation_stats(self) -> list[tuple[int, int, float | None, int]]:
+        rows = self._conn.execute("SELECT step, layer, absmax, nonfinite FROM activation_stats ORDER BY step, layer").fetchall()
+        return [(r[0], r[1], _unnum(r[2]), int(r[3])) for r in rows]
 
     def incidents(self) -> list[Incident]:
         rows = self._conn.execute("SELECT data FROM incidents ORDER BY step, time").fetchall()

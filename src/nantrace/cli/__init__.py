@@ -1,0 +1,1 @@
+"""The ``nantrace`` command line: one module per subcommand."""

@@ -1,0 +1,1 @@
+"""The built-in demonstration: a small transformer that meets a real numerical failure."""

@@ -1,0 +1,96 @@
+"""Re-run a failing step from an incident bundle and diagnose it again, anywhere.
+
+Usage::
+
+    incident = nantrace.replay("runs/exp1/incidents/step000042-nonfinite_loss-3f2a9c1b7d0e")
+    print(incident.op, incident.module, incident.cause)
+    # aten._softmax.default blocks.1.attn masked_softmax_all
+
+The model is rebuilt by the factory recorded in the bundle (its class, or
+``Config.model_factory``) or by the ``model`` argument, then loaded with the pre-step
+state and replayed under the op tracer exactly as the live guard does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture import StepCapture
+from .config import Config
+from .incident import Incident
+from .storage.bundle import Bundle, load_bundle
+
+
+def resolve_factory(spec: str) -> Callable[[], nn.Module]:
+    """Import ``module:attr`` (attr may be dotted); a class or a zero-argument callable."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"model factory must be 'module:callable', got {spec!r}")
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import {module_name!r} for the model factory {spec!r}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name!r} has no attribute {attr!r} (model factory {spec!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"model factory {spec!r} is not callable")
+    return obj
+
+
+def build_model(bundle: Bundle, model: nn.Module | str | None = None) -> nn.Module:
+    """The bundle's model with its pre-step state loaded."""
+    if isinstance(model, nn.Module):
+        net = model
+    else:
+        spec = model or bundle.env.get("model_factory")
+        if not spec:
+            raise ValueError(
+                f"bundle {str(bundle.path)!r} records no importable model factory (the model class "
+                f"{bundle.env.get('model_class')!r} was defined in a script); pass --model module:factory"
+            )
+        try:
+            net = resolve_factory(spec)()
+        except TypeError as exc:
+            raise ValueError(f"could not build the model with {spec!r}: {exc}; pass --model module:factory") from None
+        if not isinstance(net, nn.Module):
+            raise ValueError(f"model factory {spec!r} returned {type(net).__name__}, expected a torch.nn.Module")
+    dtypes = bundle.env.get("param_dtypes") or []
+    if len(dtypes) == 1 and dtypes[0] != "torch.float32":
+        net = net.to(getattr(torch, dtypes[0].removeprefix("torch.")))
+    net.load_state_dict(bundle.state["model"], strict=True)
+    net.train(bool(bundle.env.get("training", True)))
+    return net
+
+
+def replay(bundle_dir: str | os.PathLike[str], model: nn.Module | str | None = None, *, config: Config | None = None) -> Incident:
+    """Replay the failing step of a bundle; returns a fresh diagnosis (compare with the saved one)."""
+    from .guard import watch
+    from .localisation.localiser import localise_incident
+
+    bundle = load_bundle(bundle_dir)
+    if not bundle.forwards:
+        raise ValueError(f"bundle {str(bundle_dir)!r} holds no captured forward to replay")
+    net = build_model(bundle, model)
+    saved = bundle.incident
+    cfg = (config or Config()).replace(print_incidents=False, save_bundle=False)
+    guard = watch(net, config=cfg)
+    try:
+        incident = Incident(
+            step=saved.step, kind=saved.kind, phase=None, op=None, module=None, source=None, rank=saved.rank,
+            cause="unknown", summary=saved.summary, fix=saved.fix, action="logged",
+            details={"replayed_from": str(bundle.path)},
+        )
+        capture = StepCapture(forwards=list(bundle.forwards))
+        localise_incident(guard, incident, capture)
+    finally:
+        guard.close()
+    incident.bundle = str(bundle.path)
+    return incident

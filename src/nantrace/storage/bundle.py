@@ -1,0 +1,178 @@
+"""Incident bundles: everything needed to re-run a failing step on another machine.
+
+``run_dir/incidents/<step>-<kind>-<id>/`` holds ``diagnosis.json`` (the incident),
+``env.json`` (versions, device, dtypes, autocast, the model factory), ``state.pt`` (model
+parameters and buffers as they were before the step, optimizer and scaler state),
+``batch.pt`` (each captured forward's inputs, the gradient that reached the model's
+outputs, and its RNG state). Tensors are saved so that ``torch.load(weights_only=True)``
+reads them. The directory is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..capture import AutocastState, ForwardRecord, RngState, StepCapture
+from ..incident import Incident
+
+if TYPE_CHECKING:
+    from ..guard import Guard
+
+FORMAT_VERSION = 1
+REQUIRED = ("diagnosis.json", "env.json", "state.pt", "batch.pt")
+
+
+def _safe(obj: Any, depth: int = 0) -> Any:
+    """Reduce a batch structure to what ``weights_only`` loading accepts."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, (int, float, bool, str)) or obj is None:
+        return obj
+    if depth > 6:
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _safe(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return {f: _safe(getattr(obj, f), depth + 1) for f in obj._fields}
+    if isinstance(obj, (list, tuple)):
+        return [_safe(v, depth + 1) for v in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _safe(getattr(obj, f.name), depth + 1) for f in dataclasses.fields(obj)}
+    if hasattr(obj, "items"):
+        return {str(k): _safe(v, depth + 1) for k, v in obj.items()}
+    return None
+
+
+def model_factory_path(guard: "Guard") -> str | None:
+    """``module:qualname`` to rebuild the model in a fresh process, when one is importable."""
+    if guard.config.model_factory:
+        return guard.config.model_factory
+    cls = type(guard.root)
+    if cls.__module__ in ("__main__", "builtins") or "<locals>" in cls.__qualname__:
+        return None
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def write_bundle(guard: "Guard", incident: Incident, capture: StepCapture) -> str:
+    """Write the bundle atomically; returns its directory."""
+    assert guard.run_dir is not None
+    root = Path(guard.run_dir) / "incidents"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{incident.name}-{incident.id}"
+    tmp = root / f".tmp-{incident.id}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        state = {
+            "model": {k: v.detach().cpu().clone() for k, v in guard.root.state_dict().items()},
+            "optimizer": guard.optimizer.state_dict() if guard.optimizer is not None else None,
+            "scaler": guard.scaler.state_dict() if guard.scaler is not None else None,
+        }
+        torch.save(state, tmp / "state.pt")
+        forwards = [
+            {
+                "args": _safe(list(f.args)),
+                "kwargs": _safe(f.kwargs),
+                "rng_cpu": f.rng.cpu,
+                "rng_cuda": list(f.rng.cuda) if f.rng.cuda is not None else None,
+                "buffers": {k: v.cpu() for k, v in (f.buffers or {}).items()},
+                "output_grads": [[i, g.detach().cpu()] for i, g in f.output_grads],
+                "autocast": f.autocast.to_dict(),
+            }
+            for f in capture.forwards
+        ]
+        torch.save({"forwards": forwards, "losses": [l.detach().cpu() for l in capture.losses]}, tmp / "batch.pt")
+        env = {
+            "format_version": FORMAT_VERSION,
+            "nantrace_version": _version(),
+            "torch_version": torch.__version__,
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cuda": torch.version.cuda,
+            "device": str(guard._params[0].device) if guard._params else "cpu",
+            "param_dtypes": sorted({str(p.dtype) for p in guard._params}),
+            "model_class": f"{type(guard.root).__module__}:{type(guard.root).__qualname__}",
+            "model_factory": model_factory_path(guard),
+            "replayable_fn": _fn_path(capture.calls[0].fn) if capture.calls else None,
+            "step": incident.step,
+            "rank": incident.rank,
+            "training": guard.root.training,
+        }
+        (tmp / "env.json").write_text(json.dumps(env, indent=2))
+        incident.bundle = str(final)
+        (tmp / "diagnosis.json").write_text(incident.to_json(indent=2))
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        incident.bundle = None
+        raise
+    return str(final)
+
+
+def _fn_path(fn: Any) -> str | None:
+    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not mod or not qual or mod == "__main__" or "<locals>" in qual:
+        return None
+    return f"{mod}:{qual}"
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+@dataclasses.dataclass
+class Bundle:
+    """A loaded incident bundle."""
+
+    path: Path
+    incident: Incident
+    env: dict[str, Any]
+    state: dict[str, Any]
+    forwards: list[ForwardRecord]
+
+
+def load_bundle(path: str | os.PathLike[str]) -> Bundle:
+    """Read a bundle directory; a missing or corrupt one raises ``ValueError`` saying what is wrong."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"bundle directory {str(p)!r} does not exist; expected run_dir/incidents/<incident> written by nantrace")
+    missing = [name for name in REQUIRED if not (p / name).is_file()]
+    if missing:
+        raise ValueError(f"{str(p)!r} is not a complete nantrace bundle: missing {', '.join(missing)}")
+    try:
+        incident = Incident.from_dict(json.loads((p / "diagnosis.json").read_text()))
+        env = json.loads((p / "env.json").read_text())
+        state = torch.load(p / "state.pt", weights_only=True, map_location="cpu")
+        batch = torch.load(p / "batch.pt", weights_only=True, map_location="cpu")
+    except Exception as exc:
+        raise ValueError(f"bundle {str(p)!r} is corrupt or unreadable: {type(exc).__name__}: {exc}") from None
+    forwards = []
+    for f in batch.get("forwards", []):
+        ac = f["autocast"]
+        forwards.append(
+            ForwardRecord(
+                args=tuple(f["args"]),
+                kwargs=dict(f["kwargs"]),
+                rng=RngState(cpu=f["rng_cpu"], cuda=f["rng_cuda"] if torch.cuda.is_available() else None),
+                autocast=AutocastState(
+                    cpu_enabled=ac["cpu_enabled"], cpu_dtype=getattr(torch, ac["cpu_dtype"].removeprefix("torch.")),
+                    cuda_enabled=ac["cuda_enabled"] and torch.cuda.is_available(),
+                    cuda_dtype=getattr(torch, ac["cuda_dtype"].removeprefix("torch.")),
+                ),
+                buffers=dict(f["buffers"]) or None,
+                output_grads=[(int(i), g) for i, g in f["output_grads"]],
+            )
+        )
+    return Bundle(path=p, incident=incident, env=env, state=state, forwards=forwards)
