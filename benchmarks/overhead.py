@@ -56,9 +56,9 @@ sys.path.insert(0, str(HERE))
 from models import CASES, BenchCase, num_parameters  # noqa: E402
 
 VARIANTS = ("plain", "nantrace", "detect_anomaly", "hf_debug")
-DEFAULT_STEPS = {"gpt": 10, "cnn": 30, "mlp": 60}
+DEFAULT_STEPS = {"gpt": 5, "cnn": 15, "mlp": 30}
 """Timed steps per variant block, per model (``--steps-per-round`` overrides all)."""
-DEFAULT_ROUNDS = 15
+DEFAULT_ROUNDS = 24
 N_BATCHES = 16
 LR = 3e-4
 
@@ -132,16 +132,21 @@ class Runner:
     detach_ms: list[float] = field(default_factory=list)
     _guard: Any = None
 
+    cpu_times: list[float] = field(default_factory=list)
+
     def step(self) -> float:
-        """One training step; its wall time in seconds."""
+        """One training step; its wall time in seconds (its process CPU time goes to ``cpu_times``)."""
         batch = self.batches[self.cursor % len(self.batches)]
         self.cursor += 1
+        c0 = time.process_time()
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.case.loss(self.model, batch)
         loss.backward()
         self.optimizer.step()
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.cpu_times.append(time.process_time() - c0)
+        return t1 - t0
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -280,7 +285,10 @@ def time_model(name: str, variants: Sequence[str], *, rounds: int, steps: int, w
             with runners[v].active():
                 runners[v].step()
     times: dict[str, list[list[float]]] = {v: [] for v in variants}
+    cpu: dict[str, list[list[float]]] = {v: [] for v in variants}
+    load: list[dict[str, Any]] = []
     for r in range(rounds):
+        c0 = proc_stat_cpu()
         k = r % len(variants)
         order = list(variants[k:]) + list(variants[:k])  # rotate who goes first
         for v in order:
@@ -289,10 +297,19 @@ def time_model(name: str, variants: Sequence[str], *, rounds: int, steps: int, w
             with runner.active():
                 for _ in range(block_warmup):
                     runner.step()
+                runner.cpu_times.clear()
                 times[v].append([runner.step() for _ in range(steps)])
+                cpu[v].append(list(runner.cpu_times))
+        load.append({"loadavg_1min": os.getloadavg()[0], "steal_share": steal_share(c0, proc_stat_cpu())})
         log(f"  {name} round {r + 1:>2}/{rounds}: " + "  ".join(
-            f"{v} {statistics.median(times[v][-1]) * 1e3:7.2f}" for v in variants) + "  (block medians, ms)")
+            f"{v} {statistics.median(times[v][-1]) * 1e3:7.2f}" for v in variants)
+            + f"  (block medians, ms; load {load[-1]['loadavg_1min']:.1f})")
     summary = summarise(times)
+    cpu_summary = summarise(cpu)
+    for v in variants:
+        summary[v]["cpu_median_ms"] = cpu_summary[v]["median_ms"]
+        summary[v]["cpu_ratio_of_medians"] = cpu_summary[v].get("ratio_of_medians")
+        summary[v]["cpu_per_round_ratio_median"] = cpu_summary[v].get("per_round_ratio_median")
     identical = {}
     if "plain" in runners:
         for v in variants:
@@ -313,9 +330,68 @@ def time_model(name: str, variants: Sequence[str], *, rounds: int, steps: int, w
         "block_warmup_steps": block_warmup,
         "order": "round-robin, first variant rotated each round",
         "times_s": times,
+        "cpu_times_s": cpu,
+        "per_round_load": load,
         "summary": summary,
         "max_abs_param_diff_vs_plain": identical,
     }
+
+
+# =========================================================================== profile
+def _is_nantrace(filename: str) -> bool:
+    parts = Path(filename).parts
+    return "nantrace" in parts and "benchmarks" not in parts
+
+
+def profile_nantrace(name: str, *, steps: int, warmup: int, seed: int) -> dict[str, Any]:
+    """cProfile the nantrace variant: time spent inside nantrace per step, by function.
+
+    nantrace's own time = cumulative time of every nantrace function that is called from
+    outside nantrace (hooks, the backward listener), plus the interceptor's own time
+    (its cumulative time holds the whole backward pass). cProfile inflates Python-heavy
+    code, so read the shares as an upper bound and the ranking as the useful part.
+    """
+    import cProfile
+    import pstats
+
+    runner = make_runners(CASES[name], ["nantrace"], seed)["nantrace"]
+    with runner.active():
+        for _ in range(warmup):
+            runner.step()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(steps):
+            runner.step()
+        prof.disable()
+        wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    own_total = 0.0
+    rows = []
+    for (fname, line, func), (_cc, ncalls, tottime, cumtime, callers) in stats.items():
+        if not _is_nantrace(fname):
+            continue
+        short = f"{Path(fname).parent.name}/{Path(fname).name}:{line}({func})"
+        rows.append({"function": short, "calls_per_step": ncalls / steps,
+                     "cum_ms_per_step": cumtime / steps * 1e3, "own_ms_per_step": tottime / steps * 1e3})
+        is_interceptor = Path(fname).name == "_interception.py" and func == "_backward"
+        from_outside = all(not _is_nantrace(c[0]) or (Path(c[0]).name == "_interception.py" and c[2] == "_backward")
+                           for c in callers)
+        if is_interceptor:
+            own_total += tottime
+        elif from_outside:
+            own_total += cumtime
+    rows.sort(key=lambda r: -r["cum_ms_per_step"])
+    return {"model": name, "steps": steps, "step_ms_under_profiler": wall / steps * 1e3,
+            "nantrace_ms_per_step": own_total / steps * 1e3, "nantrace_share": own_total / wall, "functions": rows}
+
+
+def print_profile(prof: dict[str, Any], top: int = 15) -> None:
+    print(f"\nprofile {prof['model']}: {prof['steps']} steps, {prof['step_ms_under_profiler']:.2f} ms/step under cProfile; "
+          f"inside nantrace {prof['nantrace_ms_per_step']:.3f} ms/step ({100 * prof['nantrace_share']:.1f}% of the step)")
+    print(f"  {'cum ms/step':>11} {'own ms/step':>11} {'calls/step':>10}  function")
+    for r in prof["functions"][:top]:
+        print(f"  {r['cum_ms_per_step']:11.3f} {r['own_ms_per_step']:11.3f} {r['calls_per_step']:10.1f}  {r['function']}")
 
 
 # =========================================================================== memory
@@ -409,7 +485,7 @@ def measure_memory(models: Sequence[str], variants: Sequence[str], *, repeats: i
 
 
 # =========================================================================== report
-def cpu_times() -> dict[str, int] | None:
+def proc_stat_cpu() -> dict[str, int] | None:
     """Aggregate CPU jiffies from /proc/stat (steal = time a VM's vCPUs waited for the host)."""
     try:
         with open("/proc/stat") as f:
@@ -476,7 +552,8 @@ def print_report(results: dict[str, Any]) -> None:
         table = Table(title="Step time (CPU, one process, variants interleaved round-robin)")
         for col, just in [("model", "left"), ("variant", "left"), ("steps", "right"), ("median ms", "right"),
                           ("IQR ms (q1 – q3)", "right"), ("× plain (medians)", "right"),
-                          ("× plain per round: median [95% CI]", "right"), ("per-round IQR", "right")]:
+                          ("× plain per round: median [95% CI]", "right"), ("per-round IQR", "right"),
+                          ("CPU-time × plain", "right")]:
             table.add_column(col, justify=just)  # type: ignore[arg-type]
         for name, res in results["timing"].items():
             for v, row in res["summary"].items():
@@ -492,6 +569,7 @@ def print_report(results: dict[str, Any]) -> None:
                     (f"{row['per_round_ratio_median']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else
                      f"{row['per_round_ratio_median']:.3f}") if ratio is not None else "n/a",
                     f"{row['per_round_ratio_q1']:.3f} – {row['per_round_ratio_q3']:.3f}" if ratio is not None else "n/a",
+                    f"{row['cpu_per_round_ratio_median']:.3f}" if row.get("cpu_per_round_ratio_median") else "n/a",
                 )
             table.add_section()
         console.print(table)
@@ -504,6 +582,12 @@ def print_report(results: dict[str, Any]) -> None:
                 notes.append(f"nantrace watch() {nt['attach_ms_median']:.2f} ms, close() {nt['detach_ms_median']:.3f} ms "
                              f"(untimed), incidents {nt['incidents']}")
             console.print(f"  {name}: weights after training vs plain: " + "; ".join(notes))
+            loads = [r["loadavg_1min"] for r in res["per_round_load"]]
+            steals = [r["steal_share"] for r in res["per_round_load"] if r["steal_share"] is not None]
+            busy = max(loads) > (env["cpus_available"] or 1) + 0.5
+            console.print(f"  {name}: 1-min load average during rounds: median {statistics.median(loads):.1f}, max {max(loads):.1f}"
+                          + (f"; CPU steal median {100 * statistics.median(steals):.1f}%" if steals else "")
+                          + ("  [bold red]machine was busy: step times are unreliable[/bold red]" if busy else ""))
     if results.get("memory"):
         table = Table(title="Peak memory (one fresh process per model × variant; median of repeats)")
         for col in ("model", "variant", "training working set MiB", "× plain", "process peak MiB", "× plain "):
@@ -551,6 +635,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="run the step-time benchmark (default on; --no-timing for memory only)")
     p.add_argument("--mem-repeats", type=int, default=3, help="subprocess runs per model x variant (default 3; median kept)")
     p.add_argument("--mem-steps", type=int, default=10, help="training steps in each memory subprocess (default 10)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also cProfile STEPS steps of the nantrace variant per model and print where its time goes (default off)")
     p.add_argument("--quiet", action="store_true", help="no per-round progress lines on stderr")
     p.add_argument("--_mem-child", nargs=2, metavar=("MODEL", "VARIANT"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -591,26 +677,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {"environment": env, "argv": sys.argv, "config": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "_mem_child"}}
     t_start = time.perf_counter()
-    cpu_before = cpu_times()
+    cpu_before = proc_stat_cpu()
     if args.timing:
         results["timing"] = {}
         for name in args.models:
             steps = args.steps_per_round or DEFAULT_STEPS.get(name, 20)
             log(f"timing {name}: {args.rounds} rounds x {steps} steps x {len(args.variants)} variants")
-            t0, c0 = time.perf_counter(), cpu_times()
+            t0, c0 = time.perf_counter(), proc_stat_cpu()
             results["timing"][name] = time_model(
                 name, args.variants, rounds=args.rounds, steps=steps, warmup=args.warmup,
                 block_warmup=args.block_warmup, seed=args.seed, log=log)
             results["timing"][name]["wall_s"] = time.perf_counter() - t0
-            results["timing"][name]["cpu_steal_share"] = steal_share(c0, cpu_times())
+            results["timing"][name]["cpu_steal_share"] = steal_share(c0, proc_stat_cpu())
             log(f"  {name} done in {results['timing'][name]['wall_s']:.0f} s")
     if args.memory:
         log(f"memory: {args.mem_repeats} subprocess runs x {args.mem_steps} steps per model x variant")
         results["memory"] = measure_memory(args.models, args.variants, repeats=args.mem_repeats, steps=args.mem_steps,
                                            seed=args.seed, threads=args.threads, log=log)
+    if args.profile:
+        results["profile"] = {name: profile_nantrace(name, steps=args.profile, warmup=max(args.warmup, 1), seed=args.seed)
+                              for name in args.models}
     results["wall_s"] = time.perf_counter() - t_start
-    results["cpu_steal_share"] = steal_share(cpu_before, cpu_times())
+    results["cpu_steal_share"] = steal_share(cpu_before, proc_stat_cpu())
     print_report(results)
+    for prof in results.get("profile", {}).values():
+        print_profile(prof)
     steal = results["cpu_steal_share"]
     print(f"total wall time {results['wall_s']:.0f} s"
           + (f"; CPU steal (host contention) {100 * steal:.1f}% of CPU time" if steal is not None else ""))

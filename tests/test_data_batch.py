@@ -142,7 +142,8 @@ def test_healthy_batches_have_no_issue(batch, num_classes):
 
 DEGENERATE = [
     pytest.param({"x": torch.full((4, 6), 0.5)}, "constant", [], id="constant"),
-    pytest.param({"x": 1e6 + 1e-4 * torch.randn(4, 6, dtype=torch.float64)}, "tiny_std", [], id="tiny-std"),
+    pytest.param({"x": 1e6 + 1e-4 * torch.randn(4, 6, dtype=torch.float64)}, "tiny_spread", [], id="tiny-spread-fp64"),
+    pytest.param({"x": 1e6 + torch.randint(0, 3, (4, 6)).float() * 0.0625}, "tiny_spread", [], id="tiny-spread-fp32"),
     pytest.param({"x": torch.cat([torch.randn(3, 6), torch.randn(1, 6) * 3e4])}, "large_range", [3],
                  id="one-unnormalised-sample"),
     pytest.param({"x": torch.arange(4.0)[:, None].expand(4, 6) * 5000}, "large_range", [0, 3],
@@ -158,6 +159,12 @@ def test_degenerate_normalisation(batch, kind, indices):
     assert (issue.path, issue.details["kind"], issue.sample_indices) == ('batch["x"]', kind, indices)
     assert issue.severity == "warning"
     assert report.bad_sample_indices == []  # not a per-sample cause
+
+
+def test_stats_can_be_switched_off():
+    assert validate_batch({"x": torch.full((4, 6), 0.5)}, stats=False).ok
+    report = validate_batch({"x": _with(torch.full((4, 6), 0.5), (2, 1), NAN)}, stats=False)
+    assert [(i.cause, i.sample_indices) for i in report.issues] == [("nonfinite_input", [2])]
 
 
 def test_degenerate_thresholds_are_configurable():
@@ -360,12 +367,26 @@ def test_collate_unfixable_batches():
         ValidatingCollate()(ignored)
 
 
-def test_collate_schema_change_is_enforced_and_warnings_are_not():
+def test_collate_schema_changes():
     collate = ValidatingCollate()
     assert collate([{"x": torch.randn(3)} for _ in range(4)])["x"].shape == (4, 3)
-    with pytest.raises(DataValidationError, match="per-sample shape") as info:
-        collate([{"x": torch.randn(5)} for _ in range(4)])
-    assert [i.cause for i in info.value.issues] == ["shape_mismatch"]
+    with pytest.raises(DataValidationError, match="float64") as info:  # dtype: enforced
+        collate([{"x": torch.randn(3, dtype=torch.float64)} for _ in range(4)])
+    assert [i.cause for i in info.value.issues] == ["dtype_mismatch"]
+    # shape changes are recorded (dynamic padding is legitimate) unless enforced
+    assert collate([{"x": torch.randn(5)} for _ in range(4)])["x"].shape == (4, 5)
+    assert [i.cause for i in collate.issues] == ["dtype_mismatch", "shape_mismatch"]
+    strict = ValidatingCollate(enforce=("shape_mismatch",))
+    strict([{"x": torch.randn(3)} for _ in range(4)])
+    with pytest.raises(DataValidationError, match="per-sample shape"):
+        strict([{"x": torch.randn(5)} for _ in range(4)])
+    padded = ValidatingCollate(schema=BatchSchema(variable_dims=(1,)), enforce=("shape_mismatch",))
+    for length in (7, 3, 11):
+        padded([{"input_ids": torch.ones(length, dtype=torch.long)} for _ in range(2)])
+    assert padded.issues == []
+
+
+def test_collate_warnings_are_recorded_not_enforced():
 
     warn_only = ValidatingCollate(check_schema=False)
     out = warn_only([{"x": torch.full((3,), 2.0)} for _ in range(4)])  # constant input
@@ -450,9 +471,17 @@ def test_collate_with_two_workers_counts_and_reports_back():
 def test_collate_raise_from_a_worker_reaches_the_main_process():
     loader = DataLoader(_Items(16, bad_x={9}, bad_y=set()), batch_size=4, num_workers=2,
                         collate_fn=ValidatingCollate(policy="raise"))
-    with pytest.raises(DataValidationError) as info:
-        list(loader)
-    assert 'nonfinite_input at batch["x"] samples [1]' in str(info.value)
+    it = iter(loader)
+    try:
+        with pytest.raises(DataValidationError) as info:
+            list(it)
+        assert 'nonfinite_input at batch["x"] samples [1]' in str(info.value)
+    finally:
+        # After a worker exception PyTorch's shutdown waits 5 s per idle worker before
+        # terminating it; end this test's own workers right away instead.
+        for worker in getattr(it, "_workers", []):
+            worker.terminate()
+        del it
 
 
 def test_default_collate_output_is_unchanged():
@@ -461,3 +490,41 @@ def test_default_collate_output_is_unchanged():
     got = ValidatingCollate()(samples)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_collate_with_spawned_workers():
+    # spawn is the default start method on macOS and Windows: the collate is pickled
+    guard = FakeGuard()
+    collate = ValidatingCollate(num_classes=5, guard=guard)
+    loader = DataLoader(_Items(16, bad_x={5}, bad_y=set()), batch_size=8, num_workers=1,
+                        collate_fn=collate, multiprocessing_context="spawn")
+    seen = [i for batch in loader for i in batch["id"].tolist()]
+    assert sorted(seen) == [i for i in range(16) if i != 5]
+    assert (collate.skipped_batches, collate.skipped_samples) == (1, 1)
+    assert _wait_for(lambda: len(guard.calls) == 1)
+    assert [(i.cause, i.sample_indices) for i in guard.calls] == [("nonfinite_input", [5])]
+
+
+def test_collate_reports_to_a_real_guard_as_data_incidents():
+    """A ValidatingCollate with a real guard turns bad samples into phase='data' incidents."""
+    import nantrace
+    from nantrace.data import ValidatingCollate
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(print_incidents=False))
+    collate = ValidatingCollate(num_classes=3, guard=guard)
+    samples = [(torch.randn(4), torch.tensor(i % 3)) for i in range(6)]
+    samples[2] = (torch.tensor([1.0, float("nan"), 0.0, 0.0]), torch.tensor(1))
+    samples[4] = (torch.randn(4), torch.tensor(7))
+    x, y = collate(samples)
+    assert x.shape == (4, 4) and torch.isfinite(x).all() and int(y.max()) < 3
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    guard.close()
+    got = sorted((i.step, i.kind, i.phase, i.cause, i.action, tuple(i.details["sample_indices"])) for i in guard.incidents)
+    assert got == [
+        (0, "nonfinite_input", "data", "label_out_of_range", "skipped", (4,)),
+        (0, "nonfinite_input", "data", "nonfinite_input", "skipped", (2,)),
+    ]

@@ -12,6 +12,7 @@ from .config import Config
 from .errors import NonFiniteError
 from .guard import Guard, watch
 from .incident import ACTIONS, CAUSES, KINDS, PHASES, Incident
+from .replay import replay
 
 __version__ = "0.1.0"
 
@@ -25,5 +26,6 @@ __all__ = [
     "NonFiniteError",
     "PHASES",
     "__version__",
+    "replay",
     "watch",
 ]

@@ -39,7 +39,7 @@ class Config:
     spike_window: int = 128
     """Number of recent healthy steps the robust statistics are computed over."""
 
-    spike_warmup: int = 24
+    spike_warmup: int = 32
     """Steps of history needed before spikes and explosions can be reported."""
 
     spike_sigma: float = 6.0
@@ -89,8 +89,8 @@ class Config:
     (default: the model's class, when it is importable and takes no arguments)."""
 
     def __post_init__(self) -> None:
-        _positive_int(self, "spike_window", minimum=8)
-        _positive_int(self, "spike_warmup", minimum=4)
+        _positive_int(self, "spike_window", minimum=24)
+        _positive_int(self, "spike_warmup", minimum=24)
         _positive_int(self, "scaler_max_skips", minimum=1)
         _positive_int(self, "flight_recorder", minimum=0)
         _positive_int(self, "max_bundles", minimum=0)

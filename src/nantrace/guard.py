@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 import weakref
 from collections import deque
@@ -126,6 +127,8 @@ class Guard:
         self._mutable_buffers: set[str] | None = None
         self._bundles_written = 0
         self._last_applied: int | None = None
+        self._data_inbox: deque[Any] = deque()
+        self._owner_thread = threading.get_ident()
         self._recorder: deque[dict[str, Any]] = deque(maxlen=config.flight_recorder)
         self._loss_spikes = RobustSpikeDetector(
             window=config.spike_window, warmup=config.spike_warmup,
@@ -370,17 +373,21 @@ class Guard:
                 continue
             if g.is_sparse:
                 g = g.coalesce().values()
-            grads.append(g.detach())
+            grads.append(g)
             index.append(i)
         return grads, index
 
     def _decide(self, *, grads_scaled: bool, via_scaler: bool = False) -> _Decision:
         """Read the step's health (one host sync), find what is wrong, apply the policy."""
+        with torch.no_grad():
+            return self._decide_no_grad(grads_scaled=grads_scaled, via_scaler=via_scaler)
+
+    def _decide_no_grad(self, *, grads_scaled: bool, via_scaler: bool) -> _Decision:
         grads, grad_index = self._grads()
         capture = self._capture
         health = measure(
             grads=grads,
-            params=[p.detach() for p in self._params] if self.config.check_params else [],
+            params=self._params if self.config.check_params else [],
             losses=capture.losses + [c.loss for c in capture.calls if c.loss is not None and not capture.losses],
             inputs_ok=capture.inputs_ok,
             outputs_ok=capture.outputs_ok,
@@ -415,6 +422,8 @@ class Guard:
             details["nonfinite_grads"] = nonfinite_tensors([(self._param_names[i], g) for i, g in zip(grad_index, grads)])
         if not health.params_finite:
             details["nonfinite_params"] = nonfinite_tensors(list(zip(self._param_names, self._params)))
+        if not health.inputs_finite:
+            details["nonfinite_inputs"] = _bad_inputs(self._capture)
         details["loss"] = health.loss
         details["grad_norm"] = health.grad_norm
         if health.scale is not None:
@@ -437,7 +446,7 @@ class Guard:
 
     def _report(self, incident: Incident, decision: _Decision) -> None:
         """Localise (when enabled), keep, store and print the incident; raise if the policy says so."""
-        if self.config.localise and incident.kind.startswith("nonfinite"):
+        if self.config.localise and incident.kind.startswith("nonfinite") and incident.kind != "nonfinite_param":
             from .localisation.localiser import localise_incident
 
             localise_incident(self, incident, self._capture)
@@ -462,8 +471,41 @@ class Guard:
         incident.bundle = write_bundle(self, incident, self._capture)
         self._bundles_written += 1
 
+    # ------------------------------------------------------------ data layer
+    def record_data_incident(self, issue: Any) -> None:
+        """Record a finding of the data layer (``nantrace.data.ValidatingCollate``) as an incident.
+
+        Safe from any thread: from another thread (a DataLoader's delivery thread) the
+        issue is queued and recorded at the next step by the training thread.
+        """
+        if self.closed:
+            return
+        self._data_inbox.append(issue)
+        if threading.get_ident() == self._owner_thread:
+            self._flush_data_incidents()
+
+    def _flush_data_incidents(self) -> None:
+        while self._data_inbox:
+            issue = self._data_inbox.popleft()
+            cause = issue.cause if issue.cause in ("nonfinite_input", "label_out_of_range") else "unknown"
+            action = issue.details.get("action", "logged")
+            incident = Incident(
+                step=self.step, kind="nonfinite_input", phase="data", op=None, module=None, source=None,
+                rank=self.rank, cause=cause, summary=issue.summary, fix=issue.fix,
+                action=action if action in ("skipped", "raised", "logged") else "logged",
+                details={"path": issue.path, "sample_indices": list(issue.sample_indices), **issue.details},
+                history=list(self._recorder),
+            )
+            self.incidents.append(incident)
+            if self.store is not None:
+                self.store.log_incident(incident)
+            if self.config.print_incidents:
+                console.print_incident(incident)
+
     # ------------------------------------------------------------ bookkeeping
     def _finish_step(self, decision: _Decision, *, raised: bool = False) -> None:
+        if self._data_inbox:
+            self._flush_data_incidents()
         health = decision.health
         skipped = decision.block or decision.scaler_skip or raised
         if decision.incident is None or decision.incident.kind not in ("nonfinite_param", "optimizer_state"):
@@ -537,6 +579,8 @@ class Guard:
         """Remove every hook and restore the scaler; idempotent."""
         if self.closed:
             return
+        if self._data_inbox:
+            self._flush_data_incidents()
         self.closed = True
         for handle in self._handles:
             handle.remove()
@@ -571,6 +615,22 @@ class Guard:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"<nantrace.Guard {state} step={self.step} incidents={len(self.incidents)} policy={self.policy!r}>"
+
+
+def _bad_inputs(capture: StepCapture) -> list[dict[str, Any]]:
+    """Which forward call, argument and samples (rows of dim 0) carried non-finite values."""
+    out = []
+    for call, record in enumerate(capture.forwards):
+        named = [(f"args[{i}]", a) for i, a in enumerate(record.args)] + [(f"{k}=", v) for k, v in record.kwargs.items()]
+        for name, value in named:
+            for t in floating_tensors(value):
+                bad = ~torch.isfinite(t.detach())
+                if not bool(bad.any()):
+                    continue
+                rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist() if t.dim() else []
+                out.append({"forward": call, "arg": name, "samples": rows[:32], "nan": int(torch.isnan(t).sum()),
+                            "inf": int(torch.isinf(t).sum())})
+    return out
 
 
 def _keep_grad(record: ForwardRecord, index: int, grad: torch.Tensor) -> None:

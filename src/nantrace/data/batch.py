@@ -56,6 +56,9 @@ class _Leaf:
 
 def _as_tensor(value: Any) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
+        # sparse, nested and meta tensors carry no dense values to inspect
+        if value.layout != torch.strided or value.is_nested or value.is_meta:
+            return None
         return value
     if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
         return torch.from_numpy(np.ascontiguousarray(value))
@@ -323,19 +326,20 @@ class BatchReport(IssueReport):
 
 
 def _check_float(
-    leaf: _Leaf, *, want_stats: bool, max_range: float, std_rtol: float, reference: BatchSchema | None
+    leaf: _Leaf, *, want_stats: bool, max_range: float, spread_rtol: float, reference: BatchSchema | None
 ) -> list[DataIssue]:
     t = leaf.tensor.detach()
     if t.numel() == 0:
         return []
     xr = t.reshape(t.shape[0], -1) if t.ndim else t.reshape(1, 1)
     # Everything is computed on the tensor's device, then moved to the host in one go.
-    rmin, rmax = torch.aminmax(xr, dim=1)
-    parts = [rmin.to(torch.float64), rmax.to(torch.float64)]
+    # amin/amax propagate NaN, so they find non-finite rows without an isfinite pass.
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    parts = [xr.amin(dim=1).to(acc), xr.amax(dim=1).to(acc)]
     if want_stats:
-        parts.append(xr.sum(dim=1, dtype=torch.float64))
-        parts.append(torch.linalg.vector_norm(xr, 2, dim=1, dtype=torch.float64).square())
-    host = torch.stack(parts).cpu().numpy()
+        parts.append(xr.sum(dim=1, dtype=acc))
+        parts.append(torch.linalg.vector_norm(xr, 2, dim=1, dtype=acc).square())
+    host = torch.stack(parts).cpu().numpy().astype(np.float64)
     rmin_h, rmax_h = host[0], host[1]
     per_row = xr.shape[1]
     issues: list[DataIssue] = []
@@ -381,18 +385,22 @@ def _check_float(
     hi = float(rmax_h[good].max())
     stats = {"mean": mean, "std": std, "min": lo, "max": hi, "numel": int(n)}
 
-    if n > 1 and (hi == lo or std <= std_rtol * abs(mean)):
+    # "std ~ 0 relative to the magnitude", judged on the exact spread (std <= spread / 2)
+    # rather than on a sum-of-squares std, which cancellation blurs when |mean| >> std.
+    if n > 1 and hi - lo <= spread_rtol * max(abs(lo), abs(hi)):
         what = (f"is constant (every value {_g(lo)})" if hi == lo else
-                f"has std {_g(std)}, negligible next to its mean {_g(mean)}")
+                f"varies only within [{_g(lo)}, {_g(hi)}], negligible next to its magnitude")
         issues.append(DataIssue(
             "degenerate_normalisation", leaf.path, [],
             f"{leaf.path} {what} across the batch.",
             "Check the preprocessing: a normalisation that divided by a zero/huge std, "
             "an image pipeline that produced blank images, or a feature that carries no "
             "information; normalise with per-feature statistics computed on the data.",
-            dict(stats, kind="constant" if hi == lo else "tiny_std"),
+            dict(stats, kind="constant" if hi == lo else "tiny_spread"),
             severity="warning",
         ))
+    if not math.isfinite(mean) or not math.isfinite(std):  # sums overflowed: figures unusable
+        std = math.inf
     if hi - lo > max_range:
         rows_range = (rmax_h - rmin_h) > max_range
         rows = np.flatnonzero(good & rows_range).tolist()
@@ -408,7 +416,7 @@ def _check_float(
             dict(stats, kind="large_range", max_range=max_range),
             severity="warning",
         ))
-    if reference is not None:
+    if reference is not None and math.isfinite(std):
         shift = reference._check_distribution(leaf.path, mean, std)
         if shift is not None:
             issues.append(shift)
@@ -428,14 +436,14 @@ def _check_labels(leaf: _Leaf, *, num_classes: int | None, ignore_index: int | N
     info = torch.iinfo(yr.dtype)
     vmin = torch.where(ign, info.max, yr).amin()
     vmax = torch.where(ign, info.min, yr).amax()
-    packed = torch.cat([
-        out.any(dim=1).to(torch.int64),
-        (~ign).sum(dim=1).to(torch.int64),
-        vmin.reshape(1).to(torch.int64),
-        vmax.reshape(1).to(torch.int64),
-    ]).cpu().tolist()  # one transfer
+    # One row reduction for two figures: (#out-of-range) * (T + 1) + (#supervised).
+    width = yr.shape[1] + 1
+    code = (out.to(torch.int64) * width + (~ign).to(torch.int64)).sum(dim=1)
+    packed = torch.cat([code, vmin.reshape(1).to(torch.int64), vmax.reshape(1).to(torch.int64)]).cpu().tolist()
     b = yr.shape[0]
-    row_bad, row_valid, lo, hi = packed[:b], packed[b:2 * b], packed[2 * b], packed[2 * b + 1]
+    row_bad = [c // width for c in packed[:b]]
+    row_valid = [c % width for c in packed[:b]]
+    lo, hi = packed[b], packed[b + 1]
     issues: list[DataIssue] = []
     rows = [i for i, flag in enumerate(row_bad) if flag]
     valid_range = f"[0, {num_classes})" if num_classes is not None else "[0, num_classes)"
@@ -469,15 +477,15 @@ def _check_labels(leaf: _Leaf, *, num_classes: int | None, ignore_index: int | N
     return issues
 
 
-def _check_args(num_classes: Any, ignore_index: Any, max_range: Any, std_rtol: Any) -> None:
+def _check_args(num_classes: Any, ignore_index: Any, max_range: Any, spread_rtol: Any) -> None:
     if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes <= 0):
         raise ValueError(f"num_classes must be a positive int or None; got {num_classes!r}")
     if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
         raise TypeError(f"ignore_index must be an int or None; got {ignore_index!r}")
     if not (isinstance(max_range, (int, float)) and max_range > 0):
         raise ValueError(f"max_range must be a number > 0; got {max_range!r}")
-    if not (isinstance(std_rtol, (int, float)) and std_rtol >= 0):
-        raise ValueError(f"std_rtol must be a number >= 0; got {std_rtol!r}")
+    if not (isinstance(spread_rtol, (int, float)) and spread_rtol >= 0):
+        raise ValueError(f"spread_rtol must be a number >= 0; got {spread_rtol!r}")
 
 
 def validate_batch(
@@ -488,8 +496,9 @@ def validate_batch(
     label_keys: Iterable[str] = DEFAULT_LABEL_KEYS,
     reference: BatchSchema | None = None,
     max_range: float = 1e4,
-    std_rtol: float = 1e-6,
+    spread_rtol: float = 1e-6,
     skip_stats_keys: Iterable[str] = ("mask",),
+    stats: bool = True,
 ) -> BatchReport:
     """Check one batch and report every problem with its path and sample indices.
 
@@ -499,11 +508,13 @@ def validate_batch(
     `ignore_index` is reported too (mean cross-entropy would be 0/0). Floating tensors
     are checked for NaN/Inf and, unless they are labels or their key contains one of
     `skip_stats_keys` (float attention masks are legitimately constant), for degenerate
-    normalisation (constant, std <= `std_rtol` * |mean|, range > `max_range`). With a
+    normalisation (constant or max - min <= `spread_rtol` * magnitude, i.e. std ~ 0;
+    range > `max_range`). With a
     `reference` schema, structure changes and distribution shifts are reported as well.
-    One host transfer per tensor.
+    One host transfer per tensor; ``stats=False`` keeps only the NaN/Inf, label and
+    structure checks (two passes over a floating tensor instead of four).
     """
-    _check_args(num_classes, ignore_index, max_range, std_rtol)
+    _check_args(num_classes, ignore_index, max_range, spread_rtol)
     if reference is not None and not isinstance(reference, BatchSchema):
         raise TypeError(f"reference must be a nantrace.data.BatchSchema or None; got {type(reference).__name__}")
     labels = frozenset(label_keys)
@@ -515,9 +526,9 @@ def validate_batch(
     for leaf in leaves:
         t = leaf.tensor
         if t.is_floating_point():
-            want_stats = not leaf.is_label and not any(s in leaf.name.lower() for s in skip)
+            want_stats = stats and not leaf.is_label and not any(s in leaf.name.lower() for s in skip)
             issues += _check_float(leaf, want_stats=want_stats, max_range=max_range,
-                                   std_rtol=std_rtol, reference=reference)
+                                   spread_rtol=spread_rtol, reference=reference)
         elif leaf.is_label and _is_int(t):
             issues += _check_labels(leaf, num_classes=num_classes, ignore_index=ignore_index)
     if reference is not None:

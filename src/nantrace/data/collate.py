@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import queue as queue_mod
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence, Sized
 from multiprocessing import sharedctypes
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from .batch import DEFAULT_LABEL_KEYS, PER_SAMPLE_CAUSES, BatchReport, BatchSchema, _leaves, validate_batch
+from .batch import DEFAULT_LABEL_KEYS, PER_SAMPLE_CAUSES, BatchSchema, _leaves, validate_batch
 from .issues import BATCH_CAUSES, DataIssue, DataValidationError
 
 __all__ = ["GUARD_CAUSES", "DEFAULT_ENFORCED", "ValidatingCollate"]
@@ -33,7 +34,10 @@ _log = logging.getLogger("nantrace.data")
 GUARD_CAUSES: frozenset[str] = frozenset({"nonfinite_input", "label_out_of_range"})
 
 #: Causes the policy acts on by default; the others are recorded and logged only.
-DEFAULT_ENFORCED: tuple[str, ...] = ("nonfinite_input", "label_out_of_range", "shape_mismatch", "dtype_mismatch")
+#: Shape changes are only recorded by default: text batches padded to their longest
+#: sequence change shape legitimately (declare such dims with BatchSchema(variable_dims=...)
+#: and add "shape_mismatch" to `enforce` to act on the others).
+DEFAULT_ENFORCED: tuple[str, ...] = ("nonfinite_input", "label_out_of_range", "dtype_mismatch")
 
 _POLICIES = ("skip", "raise")
 _ON_UNFIXABLE = ("raise", "pass")
@@ -41,8 +45,31 @@ _SLOTS = 257  # counter slots: 0 = the creating process, 1 + worker id for DataL
 _POLL_S = 0.5
 
 
-def _drain_loop(owner: weakref.ref, q: Any, history: collections.deque, lock: threading.Lock,
-                guard: Any) -> None:
+class _Inbox:
+    """The owner process's record of issues: bounded history plus the guard hand-off."""
+
+    def __init__(self, history: Iterable[DataIssue], max_history: int, guard: Any) -> None:
+        self.history: collections.deque[DataIssue] = collections.deque(history, maxlen=max_history)
+        self.lock = threading.Lock()
+        self.guard = guard
+        self.received = 0  # issues delivered so far (history is bounded, this is not)
+
+    def deliver(self, issue: DataIssue) -> None:
+        with self.lock:
+            self.history.append(issue)
+            self.received += 1
+        if self.guard is not None and issue.cause in GUARD_CAUSES:
+            try:
+                self.guard.record_data_incident(issue)
+            except Exception:  # the guard's problem must not break data loading
+                _log.exception("guard.record_data_incident failed")
+
+    def snapshot(self) -> list[DataIssue]:
+        with self.lock:
+            return list(self.history)
+
+
+def _drain_loop(owner: weakref.ref, q: Any, inbox: _Inbox) -> None:
     """Deliver issues sent by worker processes until the collate is garbage-collected."""
     while owner() is not None:
         try:
@@ -51,25 +78,19 @@ def _drain_loop(owner: weakref.ref, q: Any, history: collections.deque, lock: th
             continue
         except (EOFError, OSError, ValueError):  # queue closed at shutdown
             return
-        _deliver(issue, history, lock, guard)
-
-
-def _deliver(issue: DataIssue, history: collections.deque, lock: threading.Lock, guard: Any) -> None:
-    with lock:
-        history.append(issue)
-    if guard is not None and issue.cause in GUARD_CAUSES:
-        try:
-            guard.record_data_incident(issue)
-        except Exception:  # the guard's problem must not break data loading
-            _log.exception("guard.record_data_incident failed")
+        except Exception:  # an unreadable message must not stop the delivery
+            _log.debug("could not read a data issue sent by a worker", exc_info=True)
+            continue
+        inbox.deliver(issue)
 
 
 class ValidatingCollate:
     """Wrap a collate function so that every batch is validated before training sees it.
 
     `policy` decides what happens to batches with an *enforced* issue (`enforce`, by
-    default NaN/Inf inputs, out-of-range labels, shape and dtype changes; degenerate
-    normalisation and distribution shifts are only recorded and logged unless listed):
+    default NaN/Inf inputs, out-of-range labels and dtype changes; shape changes,
+    degenerate normalisation and distribution shifts are only recorded and logged unless
+    listed):
 
     * ``"raise"``: raise `DataValidationError` naming the cause, the path and the samples.
     * ``"skip"``: drop the offending samples and collate the remaining ones again (the
@@ -85,6 +106,11 @@ class ValidatingCollate:
     those found in DataLoader worker processes). With a `guard`, each issue with cause
     ``nonfinite_input`` or ``label_out_of_range`` is passed to
     ``guard.record_data_incident(issue)`` in the process that created the collate.
+
+    `num_classes`, `ignore_index`, `label_keys`, `max_range`, `spread_rtol`,
+    `skip_stats_keys` and `stats` are passed to `validate_batch`; `schema` is the
+    `BatchSchema` to compare batches with (a fresh one by default, one per DataLoader
+    worker; ``check_schema=False`` for none).
     """
 
     def __init__(
@@ -101,8 +127,9 @@ class ValidatingCollate:
         schema: BatchSchema | None = None,
         check_schema: bool = True,
         max_range: float = 1e4,
-        std_rtol: float = 1e-6,
+        spread_rtol: float = 1e-6,
         skip_stats_keys: Iterable[str] = ("mask",),
+        stats: bool = True,
         max_history: int = 1000,
     ) -> None:
         if collate_fn is not None and not callable(collate_fn):
@@ -129,7 +156,8 @@ class ValidatingCollate:
         self.enforce = frozenset(enforce_t)
         self.validate_kwargs: dict[str, Any] = dict(
             num_classes=num_classes, ignore_index=ignore_index, label_keys=tuple(label_keys),
-            max_range=max_range, std_rtol=std_rtol, skip_stats_keys=tuple(skip_stats_keys),
+            max_range=max_range, spread_rtol=spread_rtol, skip_stats_keys=tuple(skip_stats_keys),
+            stats=bool(stats),
         )
         validate_batch(torch.zeros(1), **self.validate_kwargs)  # argument check, fails fast
         self.schema = schema if schema is not None else (BatchSchema() if check_schema else None)
@@ -146,25 +174,24 @@ class ValidatingCollate:
         self._counts[0], self._counts[1] = counts
         # A spawn-context queue can be handed to fork, spawn and forkserver workers alike.
         self._queue = multiprocessing.get_context("spawn").Queue()
-        self._history: collections.deque[DataIssue] = collections.deque(history, maxlen=self.max_history)
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(
+        self._inbox = _Inbox(history, self.max_history, self.guard)
+        self._thread: threading.Thread | None = threading.Thread(
             target=_drain_loop, name="nantrace-data-drain", daemon=True,
-            args=(weakref.ref(self), self._queue, self._history, self._lock, self.guard),
+            args=(weakref.ref(self), self._queue, self._inbox),
         )
         self._thread.start()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_lock", "_thread", "_history"):
+        for key in ("_inbox", "_thread"):
             state.pop(key)
         if _spawning():
             # Sent to a worker process: it reports back through the queue and counters.
             state["guard"] = None
-            state["_has_guard"] = self.guard is not None
         else:
             # Plain pickling (a checkpoint, a copy): keep values, not process plumbing.
-            state["_plain"] = {"history": list(self._history), "counts": (self.skipped_batches, self.skipped_samples)}
+            state["_plain"] = {"history": self._inbox.snapshot(),
+                               "counts": (self.skipped_batches, self.skipped_samples)}
             for key in ("_queue", "_counts", "_owner_pid"):
                 state.pop(key)
         return state
@@ -174,9 +201,8 @@ class ValidatingCollate:
         self.__dict__.update(state)
         if plain is not None:
             self._setup_process_state(plain["history"], plain["counts"])
-        else:
-            self._lock = threading.Lock()
-            self._history = collections.deque(maxlen=self.max_history)
+        else:  # a worker's copy: it never records locally
+            self._inbox = _Inbox((), self.max_history, None)
             self._thread = None
 
     def _in_owner(self) -> bool:
@@ -198,7 +224,7 @@ class ValidatingCollate:
             log = _log.warning if issue.severity == "error" else _log.info
             log("%s", issue)
             if self._in_owner():
-                _deliver(issue, self._history, self._lock, self.guard)
+                self._inbox.deliver(issue)
             else:
                 try:
                     self._queue.put(issue)
@@ -220,28 +246,37 @@ class ValidatingCollate:
     @property
     def issues(self) -> list[DataIssue]:
         """The last `max_history` issues found, oldest first (worker issues included)."""
+        if not self._in_owner():  # a worker's copy: its issues travel to the owner
+            return []
         self.drain()
-        with self._lock:
-            return list(self._history)
+        return self._inbox.snapshot()
 
     def drain(self, timeout: float = 0.0) -> int:
-        """Collect issues already sent by worker processes; wait up to `timeout` s for one.
+        """Collect the issues worker processes have sent; return how many arrived.
 
-        The background thread does this continuously; call it when you need the
-        figures right now (e.g. in a test right after the loader finished).
+        A background thread does this continuously. With ``timeout > 0`` this waits
+        until `timeout` seconds pass without a new issue arriving (useful right after a
+        DataLoader finished, before reading `.issues` or checking the guard).
         """
         if not self._in_owner():
             return 0
-        n = 0
-        block = timeout > 0
+        start = self._inbox.received
+        deadline = time.monotonic() + timeout
         while True:
             try:
-                issue = self._queue.get(block=block, timeout=timeout if block else None)
-            except (queue_mod.Empty, EOFError, OSError, ValueError):
-                return n
-            block = False
-            _deliver(issue, self._history, self._lock, self.guard)
-            n += 1
+                issue = self._queue.get_nowait()
+            except queue_mod.Empty:
+                seen = self._inbox.received
+                if time.monotonic() >= deadline:
+                    return self._inbox.received - start
+                time.sleep(0.01)
+                if self._inbox.received != seen:  # the thread delivered one: wait on
+                    deadline = time.monotonic() + timeout
+                continue
+            except (EOFError, OSError, ValueError):
+                return self._inbox.received - start
+            self._inbox.deliver(issue)
+            deadline = time.monotonic() + timeout
 
     # the collate --------------------------------------------------------------------
 
@@ -250,6 +285,10 @@ class ValidatingCollate:
         report = validate_batch(batch, reference=self.schema, **self.validate_kwargs)
         if report.ok:
             return batch
+        for issue in report.issues:  # what this collate does about it, for the guard's incident
+            issue.details.setdefault(
+                "action", ("raised" if self.policy == "raise" else "skipped") if issue.cause in self.enforce else "logged"
+            )
         self._record(report.issues)
         enforced = [i for i in report.issues if i.cause in self.enforce]
         if not enforced:

@@ -41,6 +41,7 @@ DEFAULT_PROBE_TEXTS: tuple[str, ...] = (
     "Café naïve résumé façade",
     "Cafe\u0301 decomposed accent",
     "Ünïcödé ÄÖÜ äöü ß",
+    "Full-width ＡＢＣ１２３, ligature ﬁ, circled ①",
     "Ελληνικά γράμματα",
     "русский текст",
     "中文文本测试",
@@ -221,6 +222,20 @@ def _component(spec: Any) -> str:
     return repr(spec)
 
 
+def _canonical(key: str, spec: Any) -> Any:
+    """Treat components that change nothing as absent (transformers installs such a
+    template post-processor when it wraps a tokenizer)."""
+    identity = {
+        "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+    }
+    if (key == "post_processor" and isinstance(spec, dict) and spec.get("type") == "TemplateProcessing"
+            and not spec.get("special_tokens")
+            and all(spec.get(k) == v for k, v in identity.items())):
+        return None
+    return spec
+
+
 def _model_settings(spec: dict[str, Any]) -> dict[str, Any]:
     model = spec.get("model") or {}
     return {k: val for k, val in model.items() if k not in ("vocab", "merges")}
@@ -331,7 +346,7 @@ def compare_tokenizers(
 
     # pipeline components ----------------------------------------------------------------
     for key in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
-        ct, ci = train.spec.get(key), infer.spec.get(key)
+        ct, ci = _canonical(key, train.spec.get(key)), _canonical(key, infer.spec.get(key))
         if ct != ci:
             add(TokenizerDifference(key, ct, ci,
                                     f"{key.replace('_', '-')} is {_component(ct)} for training but "

@@ -88,6 +88,14 @@ def measure(
     grad_norms = host[6 : 6 + len(gn)]
     param_norms = host[6 + len(gn) :]
     scale_value = sc if not math.isnan(sc) else None
+    # A float32 norm can overflow while every element is finite (large gradients, or a
+    # GradScaler's factor): only on that rare path, check exactly and recount in float64.
+    if gn and not math.isfinite(gnorm) and _exactly_finite(grads):
+        grad_norms = [float(n) for n in _norms64(grads)]
+        gnorm = math.sqrt(sum(n * n for n in grad_norms))
+    if pn and not math.isfinite(pnorm) and _exactly_finite(params):
+        param_norms = [float(n) for n in _norms64(params)]
+        pnorm = math.sqrt(sum(n * n for n in param_norms))
     if grads_scaled and scale_value and gn:
         gnorm = gnorm / scale_value
         grad_norms = [g / scale_value for g in grad_norms]
@@ -101,6 +109,14 @@ def measure(
         grad_norms=grad_norms,
         param_norms=param_norms,
     )
+
+
+def _exactly_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _norms64(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
 
 
 def _pick_device(*groups: Sequence[torch.Tensor]) -> torch.device:

@@ -1,4 +1,9 @@
-"""Adaptive spike detection: a robust z-score (median / MAD) over a rolling window.
+"""Adaptive spike detection: a robust z-score over a rolling window.
+
+Each value is compared with the median of the values just before it (the current level);
+the scale is measured on exactly that residual over the window (MAD, widened by its 99th
+percentile when the noise is heavy-tailed), so the threshold is calibrated on the
+statistic it tests and a run's own trend does not inflate it.
 
 Used for loss spikes and gradient-norm explosions. Positive series are compared in log
 space, so a spike is judged by its *ratio* to the recent median, which is what matters
@@ -13,8 +18,11 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 _MAD_TO_SIGMA = 1.4826
+_LEVEL = 16  # recent values that define the current level
+_Q99_TO_SIGMA = 2.576
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,17 +77,24 @@ class RobustSpikeDetector:
         if len(self._history) < self.warmup:
             return None
         hist = np.fromiter(self._history, dtype=np.float64, count=len(self._history))
-        if value > 0 and bool((hist > 0).all()):
-            logs = np.log(hist)
-            center = float(np.median(logs))
-            mad = float(np.median(np.abs(logs - center)))
-            z = (math.log(value) - center) / max(_MAD_TO_SIGMA * mad, 1e-12)
+        use_log = value > 0 and bool((hist > 0).all())
+        series = np.log(hist) if use_log else hist
+        x = math.log(value) if use_log else value
+        # Centre on the recent level and measure noise from step-to-step differences, so the
+        # run's own trend (a loss still falling fast) does not inflate the scale.
+        center = float(np.median(series[-_LEVEL:]))
+        level = np.median(sliding_window_view(series[:-1], _LEVEL), axis=1)
+        residuals = series[_LEVEL:] - level  # each value against the level of the values before it
+        spread = np.abs(residuals - np.median(residuals))
+        # Gaussian-equivalent sigma from the MAD and from the 99th percentile: equal for normal
+        # noise; heavy-tailed noise (small batches, near-zero losses) widens the second.
+        noise = max(_MAD_TO_SIGMA * float(np.median(spread)), float(np.quantile(spread, 0.99)) / _Q99_TO_SIGMA)
+        z = (x - center) / max(noise, 1e-12)
+        if use_log:
             median = math.exp(center)
             ratio = value / median
         else:
-            median = float(np.median(hist))
-            mad = float(np.median(np.abs(hist - median)))
-            z = (value - median) / max(_MAD_TO_SIGMA * mad, 1e-12)
+            median = center
             ratio = 1.0 + (value - median) / max(abs(median), 1e-12)
         if z > self.sigma and ratio > self.min_ratio:
             return Spike(value=value, median=median, zscore=z, ratio=ratio, window=len(hist))

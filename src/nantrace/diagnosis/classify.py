@@ -148,7 +148,8 @@ def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | N
                           if out_dtype is not None and out_dtype.is_floating_point else "")
         if short in {"acos", "asin"} and rec.out_nan:
             return result("unknown", "argument outside [-1, 1]")
-        if rec.in_inf and rec.out_nan and short in ARITH_OPS:
+        if (rec.in_inf or rec.scalar_nonfinite) and rec.out_nan and short in ARITH_OPS:
+            # the infinity may be a tensor input or an explicit scalar operand (mask * -inf)
             return result("inf_arithmetic", _inf_detail(short))
         if rec.creates_nonfinite and rec.out_inf:
             return result("unknown", f"overflowed {dtype} ({torch.finfo(out_dtype).max:.4g} max) from finite inputs"

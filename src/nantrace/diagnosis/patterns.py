@@ -24,7 +24,7 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("nonfinite_input", (), "The batch itself carries non-finite values{detail}.",
             "Validate batches before the model (nantrace.data.ValidatingCollate) and find the sample that "
             "produced them: typically a division by a zero std in normalisation or a corrupt record."),
-    Pattern("label_out_of_range", ("nll_loss", "nll_loss2d", "cross_entropy"),
+    Pattern("label_out_of_range", ("nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss2d", "cross_entropy"),
             "{op} got targets it cannot use{detail}: with reduction='mean' the loss is 0/0.",
             "Check the labels against num_classes and ignore_index; drop batches in which every target is "
             "ignored, or use reduction='sum' divided by max(count, 1)."),
@@ -33,13 +33,16 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("nonfinite_param", (), "A parameter or buffer was already non-finite before this step{detail}.",
             "Look at how the weights were created or loaded: an uninitialised tensor (torch.empty), a corrupted "
             "checkpoint, or an earlier update that went unchecked. Re-initialise or reload that tensor."),
-    Pattern("log_nonpositive", ("log_softmax",), "{op} produced a non-finite value{where}{detail}.",
+    Pattern("log_nonpositive", ("_log_softmax", "log_softmax"), "{op} produced a non-finite value{where}{detail}.",
             "Use log_softmax on finite logits (not log(softmax(x))) and keep masks finite."),
     Pattern("log_nonpositive", (), "{op} of an argument outside its domain{where}{detail}.",
             "Clamp the argument first, e.g. x.clamp_min(torch.finfo(x.dtype).tiny).{op}() or {op}(x + eps); for "
             "log of probabilities use log_softmax / F.logsigmoid instead of log(softmax(...)) / log(sigmoid(...))."),
     Pattern("div_by_zero", ("rsqrt",), "rsqrt of zero{where}{detail}.",
             "Add an epsilon inside the root: torch.rsqrt(x + eps)."),
+    Pattern("div_by_zero", ("div",), "A division by zero{where}{detail}.",
+            "Guard the denominator: x / y.clamp_min(eps) (or y + eps for non-negative y), and find why it is "
+            "zero (an empty mask, a zero count, a zero norm)."),
     Pattern("div_by_zero", (), "{op} divided by zero{where}{detail}.",
             "Guard the denominator: x / y.clamp_min(eps) (or y + eps for non-negative y), and find why it is "
             "zero (an empty mask, a zero count, a zero norm)."),

@@ -70,6 +70,10 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
         return
     replayable = isinstance(units[0], CallRecord)
     compiled = hasattr(guard.model, "_orig_mod")
+    # Were the model's outputs finite in the real step? (None: not checked.) When they were
+    # not, the gradients recorded at the outputs came back from a non-finite loss and say
+    # nothing about the loss function.
+    outputs_finite = None if capture.outputs_ok is None else bool(capture.outputs_ok)
     externals = _externals(guard, units)
     observed_in: str | None = None
     start: OpRecord | None = None
@@ -88,7 +92,7 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
                 observed_in = "forward"
                 bad = [t for t in result.observed if not bool(torch.isfinite(t).all())]
                 start = next((tracer.producer.get(t) for t in bad if tracer.producer.get(t) is not None), None)
-            elif result.output_grads_finite is False:
+            elif result.output_grads_finite is False and outputs_finite is not False:
                 observed_in = "loss_function"
             elif result.grads_finite is False:
                 observed_in = "backward"
@@ -106,6 +110,9 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
             incident.details["float32_rerun_finite"] = finite32
 
     if observed_in is None:
+        if not replayable and incident.kind == "nonfinite_loss" and outputs_finite:
+            _in_loss_function(incident)
+            return
         _not_reproduced(incident, compiled)
         return
     incident.transient = False
@@ -142,6 +149,18 @@ def _apply(incident: "Incident", cls: Classification, origin: Origin, *, replaya
     incident.fix = fix
     if origin.intentional_inf:
         incident.details["intentional_inf"] = True
+
+
+def _in_loss_function(incident: "Incident") -> None:
+    """The loss was non-finite while the model's outputs were finite, and the model replays
+    finite: the loss function made it, and without ``replayable`` it cannot be replayed."""
+    incident.transient = None
+    incident.phase = "forward"
+    incident.module = None
+    incident.summary = (f"The loss is non-finite at step {incident.step} while the model's outputs were finite (and are "
+                        "finite again when the model is replayed): it arose in the loss computation outside the model.")
+    incident.fix = ("Wrap the loss computation with guard.replayable(loss_fn) so nantrace can replay it "
+                    "and name the op and line.")
 
 
 def _not_reproduced(incident: "Incident", compiled: bool) -> None:

@@ -1,0 +1,513 @@
+"""Load a run store and reduce it to what the report draws (no plotting here).
+
+Everything is read with plain SQL on a read-only connection and turned into numpy arrays:
+the steps table (one row per optimizer step) is small enough to read whole; the per-layer
+tables can hold tens of millions of rows, so they are aggregated inside SQLite into at
+most ``max_columns`` step buckets per layer, in a few threads (SQLite releases the GIL).
+
+Non-finite values are never dropped: a curve keeps them as separate marks (NaN, +Inf,
+-Inf), exact per step when there are few, counted per bucket when there are many; a
+heatmap cell keeps NaN / Inf whenever any value in its bucket was non-finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from ..incident import Incident
+from ..storage.runstore import DB_NAME, RunStore
+
+MAX_CURVE_BUCKETS = 2000
+"""Curves with more steps than this are reduced to min / max / last per bucket."""
+MAX_EXACT_MARKS = 2000
+"""Up to this many non-finite (or skipped) steps are marked one by one; beyond, per bucket."""
+MAX_HEATMAP_COLUMNS = 1000
+"""Step columns of a layers × steps heatmap at most."""
+MAX_WORKERS = 8
+"""Threads (each with its own read-only connection) aggregating the per-layer tables."""
+
+
+# ----------------------------------------------------------------------------- records
+@dataclasses.dataclass
+class Marks:
+    """Steps at which something happened (a NaN, a skipped update), possibly bucketed.
+
+    ``start[i]``..``end[i]`` is the step range of mark ``i`` and ``count[i]`` how many steps
+    in it carry the event; when ``exact`` every mark is one step (``start == end``).
+    """
+
+    start: np.ndarray
+    end: np.ndarray
+    count: np.ndarray
+    exact: bool
+    labels: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return int(self.count.sum()) if len(self.count) else 0
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+
+@dataclasses.dataclass
+class Curve:
+    """One health figure over steps, ready to draw.
+
+    ``x``/``y`` is the line (``y`` NaN = a gap in it: a missing or non-finite value);
+    ``nan``, ``posinf``, ``neginf`` mark the non-finite values and ``nonpositive`` the
+    values a log axis cannot show (zero or negative), so nothing disappears silently.
+    """
+
+    key: str
+    label: str
+    x: np.ndarray
+    y: np.ndarray
+    nan: Marks
+    posinf: Marks
+    neginf: Marks
+    nonpositive: Marks
+    log: bool
+    measured: int
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan.total + self.posinf.total + self.neginf.total
+
+
+@dataclasses.dataclass
+class Heatmap:
+    """A layers × step-buckets grid of one per-layer figure (max over each bucket).
+
+    ``values[layer, column]`` is the largest finite value of the bucket, NaN if any value
+    in the bucket was NaN, +Inf if any was infinite (and none NaN); ``present`` is False
+    where the layer has no row in that bucket.
+    """
+
+    key: str
+    title: str
+    label: str
+    layers: list[str]
+    start: np.ndarray
+    end: np.ndarray
+    values: np.ndarray
+    present: np.ndarray
+    bucket_width: int
+
+    @property
+    def nonfinite_cells(self) -> int:
+        return int((self.present & ~np.isfinite(self.values)).sum())
+
+
+@dataclasses.dataclass
+class ReportData:
+    """Everything the report shows about one run directory."""
+
+    run_dir: Path
+    meta: dict[str, Any]
+    steps: np.ndarray
+    first_step: int | None
+    last_step: int | None
+    duration_s: float | None
+    curves: list[Curve]
+    skipped: Marks
+    scaler_skips: Marks
+    incidents: list[Incident]
+    incident_rows: dict[int, dict[str, Any]]
+    heatmaps: list[Heatmap]
+    layer_rows: int
+    downsampled: bool
+
+    @property
+    def n_steps(self) -> int:
+        return int(len(self.steps))
+
+
+# ----------------------------------------------------------------------------- loading
+def resolve_run_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """The run directory for ``run_dir`` (a path to its ``nantrace.db`` is accepted too)."""
+    path = Path(run_dir)
+    if path.name == DB_NAME and path.is_file():
+        return path.parent
+    return path
+
+
+def load_report_data(
+    run_dir: str | os.PathLike[str],
+    *,
+    max_curve_buckets: int = MAX_CURVE_BUCKETS,
+    max_heatmap_columns: int = MAX_HEATMAP_COLUMNS,
+    max_exact_marks: int = MAX_EXACT_MARKS,
+    workers: int | None = None,
+) -> ReportData:
+    """Read ``run_dir``'s run store and reduce it for drawing.
+
+    ``workers`` threads aggregate the per-layer tables (default: one per CPU, at most
+    ``MAX_WORKERS``). Raises ``ValueError`` when ``run_dir`` is missing or holds no readable
+    ``nantrace.db``.
+    """
+    path = resolve_run_dir(run_dir)
+    if workers is None:
+        workers = min(MAX_WORKERS, os.cpu_count() or 1)
+    with RunStore(path, readonly=True) as store:  # validates the directory and the database
+        meta = store.meta()
+        incidents = store.incidents()
+    db_path = path / DB_NAME
+    with _connect(db_path) as conn:
+        raw = conn.execute(
+            "SELECT step, time, loss, grad_norm, param_norm, lr, scale, skipped, action FROM steps ORDER BY step"
+        ).fetchall()
+        layer_span = conn.execute("SELECT min(step), max(step), count(*) > 0 FROM layer_stats").fetchone()
+        act_span = conn.execute("SELECT min(step), max(step), count(*) > 0 FROM activation_stats").fetchone()
+    steps = np.fromiter((r[0] for r in raw), dtype=np.int64, count=len(raw))
+    times = [r[1] for r in raw if isinstance(r[1], (int, float))]
+    incident_steps = np.array(sorted({i.step for i in incidents}), dtype=np.int64)
+    buckets = _Buckets.for_steps(steps, max_curve_buckets)
+    keep = np.flatnonzero(np.isin(steps, incident_steps)) if len(steps) else np.zeros(0, dtype=np.int64)
+
+    curves: list[Curve] = []
+    for key, col, label, log in (
+        ("loss", 2, "loss", None),
+        ("grad_norm", 3, "global grad norm", True),
+        ("param_norm", 4, "param norm", True),
+    ):
+        values, kinds = _column([r[col] for r in raw])
+        if log is None:  # a log axis for the loss only when it is positive and spans decades
+            finite = values[kinds == _KIND_FINITE]
+            log = bool(len(finite) and finite.min() > 0 and finite.max() / finite.min() > 1e3)
+        curves.append(_curve(key, label, steps, values, kinds, buckets, keep, log, max_exact_marks))
+    for g, lr_values in enumerate(_lr_groups([r[5] for r in raw])):
+        values, kinds = _column(lr_values)
+        curves.append(_curve(f"lr{g}", f"lr (group {g})", steps, values, kinds, buckets, keep, False, max_exact_marks))
+    values, kinds = _column([r[6] for r in raw])
+    if (kinds != _KIND_MISSING).any():
+        curves.append(_curve("scale", "loss scale", steps, values, kinds, buckets, keep, True, max_exact_marks))
+
+    skipped_flags = np.array([bool(r[7]) for r in raw], dtype=bool)
+    scaler_flags = np.array([r[8] == "scaler_skip" for r in raw], dtype=bool)
+    skipped = _marks(steps, skipped_flags & ~scaler_flags, buckets, max_exact_marks,
+                     labels=[str(r[8] or "skipped") for r in raw])
+    scaler_skips = _marks(steps, skipped_flags & scaler_flags, buckets, max_exact_marks)
+
+    incident_rows: dict[int, dict[str, Any]] = {}
+    if len(incident_steps):
+        for i in np.flatnonzero(np.isin(steps, incident_steps)).tolist():
+            r = raw[i]
+            incident_rows[int(r[0])] = {
+                "step": int(r[0]), "loss": _value(r[2]), "grad_norm": _value(r[3]), "param_norm": _value(r[4]),
+                "scale": _value(r[6]), "skipped": bool(r[7]), "action": r[8],
+            }
+
+    heatmaps: list[Heatmap] = []
+    layer_rows = 0
+    if layer_span and layer_span[2]:
+        names = _names(meta.get("layer_names"))
+        start, end, width, values, present, layer_rows = _aggregate(
+            db_path, "layer_stats", ("grad_norm", "update_ratio"), int(layer_span[0]), int(layer_span[1]),
+            max_heatmap_columns, workers=workers)
+        layers = _layer_labels(names, values[0].shape[0])
+        heatmaps.append(Heatmap("layer_grad_norm", "Per-layer gradient norm", "grad norm", layers, start, end,
+                                values[0], present[0], width))
+        heatmaps.append(Heatmap("layer_update_ratio", "Per-layer update / parameter ratio", "update/param", layers, start,
+                                end, values[1], present[1], width))
+    if act_span and act_span[2]:
+        names = _names(meta.get("activation_names"))
+        start, end, width, values, present, _ = _aggregate(
+            db_path, "activation_stats", ("absmax",), int(act_span[0]), int(act_span[1]), max_heatmap_columns,
+            nonfinite_count="nonfinite", workers=workers)
+        heatmaps.append(Heatmap("activation_absmax", "Per-module activation abs-max", "abs-max",
+                                _layer_labels(names, values[0].shape[0]), start, end, values[0], present[0], width))
+
+    return ReportData(
+        run_dir=path,
+        meta=meta,
+        steps=steps,
+        first_step=int(steps[0]) if len(steps) else None,
+        last_step=int(steps[-1]) if len(steps) else None,
+        duration_s=(max(times) - min(times)) if len(times) > 1 else None,
+        curves=curves,
+        skipped=skipped,
+        scaler_skips=scaler_skips,
+        incidents=incidents,
+        incident_rows=incident_rows,
+        heatmaps=heatmaps,
+        layer_rows=layer_rows,
+        downsampled=buckets.reduced,
+    )
+
+
+def _connect(db_path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(db_path.resolve().as_uri() + "?mode=ro", uri=True, check_same_thread=False)
+    conn.execute("PRAGMA temp_store=MEMORY")
+    return conn
+
+
+def _value(raw: Any) -> float | None:
+    """A stored figure as a float: NULL → None, the text 'nan' (and any other text) → NaN."""
+    if raw is None:
+        return None
+    if isinstance(raw, (int, float)):
+        return float(raw)
+    try:
+        return float(raw)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+_KIND_MISSING, _KIND_FINITE, _KIND_NAN, _KIND_POSINF, _KIND_NEGINF = 0, 1, 2, 3, 4
+
+
+def _column(raw: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(values, kinds): values as float64 (NaN where missing), kinds one of the _KIND_* codes."""
+    values = np.array([_value(v) if v is not None else math.nan for v in raw], dtype=np.float64)
+    missing = np.fromiter((v is None for v in raw), dtype=bool, count=len(raw))
+    kinds = np.full(len(raw), _KIND_FINITE, dtype=np.int8)
+    kinds[np.isnan(values)] = _KIND_NAN
+    kinds[np.isposinf(values)] = _KIND_POSINF
+    kinds[np.isneginf(values)] = _KIND_NEGINF
+    kinds[missing] = _KIND_MISSING
+    return values, kinds
+
+
+def _lr_groups(raw: Sequence[Any]) -> list[list[float | None]]:
+    """Per param group, the learning rate of every step (None where that group is absent)."""
+    cache: dict[str, list[Any]] = {}
+    parsed: list[list[Any]] = []
+    for text in raw:
+        if not text:
+            parsed.append([])
+            continue
+        if text not in cache:
+            try:
+                value = json.loads(text)
+            except (TypeError, ValueError):
+                value = []
+            cache[text] = value if isinstance(value, list) else [value]
+        parsed.append(cache[text])
+    groups = max((len(p) for p in parsed), default=0)
+    return [[(p[g] if g < len(p) else None) for p in parsed] for g in range(groups)]
+
+
+def _names(value: Any) -> list[str]:
+    return [str(v) for v in value] if isinstance(value, list) else []
+
+
+def _layer_labels(names: list[str], count: int) -> list[str]:
+    labels = [names[i] if i < len(names) else f"layer {i}" for i in range(count)]
+    seen: dict[str, int] = {}
+    for i, label in enumerate(labels):  # plotly merges equal category names: keep them apart
+        if label in seen:
+            labels[i] = f"{label} #{i}"
+        seen[label] = i
+    return labels
+
+
+# ----------------------------------------------------------------------------- curves
+@dataclasses.dataclass
+class _Buckets:
+    """Index-based buckets over the sorted steps: bucket ``b`` holds ``steps[starts[b]:ends[b]]``."""
+
+    of: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    reduced: bool
+
+    @classmethod
+    def for_steps(cls, steps: np.ndarray, max_buckets: int) -> "_Buckets":
+        n = len(steps)
+        count = min(n, max(1, max_buckets))
+        of = (np.arange(n, dtype=np.int64) * count) // max(n, 1)
+        starts = np.flatnonzero(np.diff(of, prepend=-1)) if n else np.zeros(0, dtype=np.int64)
+        ends = np.append(starts[1:], n) if n else np.zeros(0, dtype=np.int64)
+        return cls(of=of, starts=starts, ends=ends, reduced=count < n)
+
+
+def _curve(key: str, label: str, steps: np.ndarray, values: np.ndarray, kinds: np.ndarray, buckets: _Buckets,
+           keep: np.ndarray, log: bool, max_exact: int) -> Curve:
+    finite = kinds == _KIND_FINITE
+    nonpositive = finite & (values <= 0) if log else np.zeros(len(values), dtype=bool)
+    finite = finite & ~nonpositive  # a log axis cannot draw them: they get marks of their own
+    if not buckets.reduced:
+        x, y = steps, np.where(finite, values, np.nan)
+    else:
+        idx = _decimate(values, finite, buckets, keep)
+        x, y = steps[idx], np.where(finite[idx], values[idx], np.nan)
+        empty = np.flatnonzero(np.add.reduceat(finite.astype(np.int64), buckets.starts) == 0) if len(steps) else []
+        if len(empty):  # a bucket without a finite value breaks the line there
+            gap_idx = buckets.starts[empty]
+            order = np.argsort(np.concatenate([idx, gap_idx]), kind="stable")
+            x = np.concatenate([x, steps[gap_idx]])[order]
+            y = np.concatenate([y, np.full(len(gap_idx), np.nan)])[order]
+    return Curve(
+        key=key, label=label, x=x, y=y,
+        nan=_marks(steps, kinds == _KIND_NAN, buckets, max_exact),
+        posinf=_marks(steps, kinds == _KIND_POSINF, buckets, max_exact),
+        neginf=_marks(steps, kinds == _KIND_NEGINF, buckets, max_exact),
+        nonpositive=_marks(steps, nonpositive, buckets, max_exact),
+        log=log,
+        measured=int((kinds != _KIND_MISSING).sum()),
+    )
+
+
+def _decimate(values: np.ndarray, finite: np.ndarray, buckets: _Buckets, keep: np.ndarray) -> np.ndarray:
+    """Indices to draw: per bucket the minimum, the maximum and the last finite value, plus ``keep``."""
+    of = buckets.of
+    low = np.where(finite, values, np.inf)
+    high = np.where(finite, -values, np.inf)
+    imin = np.lexsort((low, of))[buckets.starts]
+    imax = np.lexsort((high, of))[buckets.starts]
+    positions = np.where(finite, np.arange(len(values)), -1)
+    ilast = np.maximum.reduceat(positions, buckets.starts)
+    chosen = np.concatenate([imin[finite[imin]], imax[finite[imax]], ilast[ilast >= 0], keep])
+    return np.unique(chosen)
+
+
+def _marks(steps: np.ndarray, flags: np.ndarray, buckets: _Buckets, max_exact: int,
+           labels: Sequence[str] | None = None) -> Marks:
+    where = np.flatnonzero(flags)
+    if len(where) <= max_exact or not buckets.reduced:
+        return Marks(start=steps[where], end=steps[where], count=np.ones(len(where), dtype=np.int64), exact=True,
+                     labels=[labels[i] for i in where.tolist()] if labels is not None else [])
+    per_bucket = np.bincount(buckets.of[where], minlength=len(buckets.starts))
+    hit = np.flatnonzero(per_bucket)
+    return Marks(start=steps[buckets.starts[hit]], end=steps[buckets.ends[hit] - 1], count=per_bucket[hit], exact=False)
+
+
+# ----------------------------------------------------------------------------- heatmaps
+def _aggregate(
+    db_path: Path,
+    table: str,
+    columns: Sequence[str],
+    first: int,
+    last: int,
+    max_columns: int,
+    *,
+    nonfinite_count: str | None = None,
+    workers: int = 1,
+) -> tuple[np.ndarray, np.ndarray, int, list[np.ndarray], list[np.ndarray], int]:
+    """Max of each column per (step bucket, layer), computed inside SQLite.
+
+    SQLite's ``max()`` orders text above numbers, so a bucket holding the stored text 'nan'
+    yields 'nan' (kept as NaN) and one holding +Inf yields +Inf: a non-finite value in a
+    bucket always reaches its cell. Returns (bucket first steps, bucket last steps, bucket
+    width, one (layers, buckets) array per column, one presence mask per column, rows
+    aggregated).
+    """
+    width = max(1, -(-(last - first + 1) // max(1, max_columns)))
+    ranges = [(lo, min(lo + width, last + 1)) for lo in range(first, last + 1, width)]
+    aggregates = ", ".join(f"max({c})" for c in columns)
+    if nonfinite_count:
+        aggregates += f", sum({nonfinite_count})"
+    sql = (f"SELECT layer, min(step), max(step), count(*), {aggregates} FROM {table}"
+           f" WHERE step >= ? AND step < ? GROUP BY layer")
+
+    def work(chunk: Iterable[tuple[int, int, int]]) -> list[tuple[int, list[Any]]]:
+        out: list[tuple[int, list[Any]]] = []
+        with _connect(db_path) as conn:
+            for b, lo, hi in chunk:
+                out.append((b, conn.execute(sql, (lo, hi)).fetchall()))
+        return out
+
+    jobs = [(b, lo, hi) for b, (lo, hi) in enumerate(ranges)]
+    workers = max(1, min(workers, len(jobs)))
+    parts = [jobs[i::workers] for i in range(workers)]
+    if workers == 1:
+        results = work(jobs)
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="nantrace-report") as pool:
+            results = [item for part in pool.map(work, parts) for item in part]
+    results.sort(key=lambda item: item[0])
+    results = [(b, rows) for b, rows in results if rows]
+    n_layers = 1 + max((row[0] for _, rows in results for row in rows), default=-1)
+    n_cols = len(results)
+    values = [np.full((n_layers, n_cols), np.nan) for _ in columns]
+    present = [np.zeros((n_layers, n_cols), dtype=bool) for _ in columns]
+    start = np.zeros(n_cols, dtype=np.int64)
+    end = np.zeros(n_cols, dtype=np.int64)
+    total = 0
+    for col, (_, rows) in enumerate(results):
+        start[col] = min(r[1] for r in rows)
+        end[col] = max(r[2] for r in rows)
+        for r in rows:
+            layer = r[0]
+            if not isinstance(layer, int) or layer < 0:
+                continue
+            total += r[3]
+            for k in range(len(columns)):
+                v = _value(r[4 + k])
+                if v is not None:  # all NULL in the bucket: not measured, left out (not NaN)
+                    values[k][layer, col] = v
+                    present[k][layer, col] = True
+            if nonfinite_count and r[4 + len(columns)]:
+                # the module's output held non-finite values: the cell is non-finite whatever its abs-max
+                values[0][layer, col] = math.nan
+                present[0][layer, col] = True
+    return start, end, width, values, present, total
+
+
+# ----------------------------------------------------------------------------- source code
+@dataclasses.dataclass
+class CodeSnippet:
+    """Lines ``(number, text)`` of a source file around ``line``."""
+
+    path: str
+    line: int
+    lines: list[tuple[int, str]]
+
+
+def read_snippet(source: str | None, run_dir: Path, meta: dict[str, Any] | None = None,
+                 context: int = 3) -> CodeSnippet | None:
+    """The lines around ``source`` (``"path:LINE"``), or None when the file cannot be found.
+
+    A relative path is looked up against the run's working directory (meta ``cwd``, when
+    the store has it), the current directory, and the run directory and its parents.
+    """
+    if not source or ":" not in source:
+        return None
+    name, _, number = source.rpartition(":")
+    try:
+        line = int(number)
+    except ValueError:
+        return None
+    path = _find_source(Path(name), run_dir, meta or {})
+    if path is None or line < 1:
+        return None
+    first, last = max(1, line - context), line + context
+    lines: list[tuple[int, str]] = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for n, text in enumerate(fh, start=1):
+                if n > last:
+                    break
+                if n >= first:
+                    lines.append((n, text.rstrip("\r\n")))
+    except OSError:
+        return None
+    if not any(n == line for n, _ in lines):
+        return None
+    return CodeSnippet(path=str(path), line=line, lines=lines)
+
+
+def _find_source(name: Path, run_dir: Path, meta: dict[str, Any]) -> Path | None:
+    if name.is_absolute():
+        return name if name.is_file() else None
+    bases: list[Path] = []
+    if isinstance(meta.get("cwd"), str):
+        bases.append(Path(meta["cwd"]))
+    bases.append(Path.cwd())
+    resolved = run_dir.resolve()
+    bases.extend([resolved, *list(resolved.parents)[:4]])
+    for base in bases:
+        candidate = base / name
+        if candidate.is_file():
+            return candidate
+    return None
