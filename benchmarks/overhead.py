@@ -527,6 +527,13 @@ def environment(threads_set: int | None) -> dict[str, Any]:
         import nantrace
 
         env["nantrace"] = nantrace.__version__
+        import hashlib
+
+        root = Path(nantrace.__file__).parent
+        digest = hashlib.sha256()
+        for f in sorted(root.rglob("*.py")):
+            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+        env["nantrace_source_sha256"] = digest.hexdigest()[:16]  # the code measured (the tree moves)
     with contextlib.suppress(Exception):
         import transformers
 

@@ -683,7 +683,7 @@ class ScaledNet(nn.Module):
 
 
 @scenario("nan_parameter_before_training",
-          Expected("nonfinite_param", None, None, None, None, "nonfinite_param", step=0, action="raised", transient=None),
+          Expected("nonfinite_param", None, None, "block", None, "nonfinite_param", step=0, action="raised", transient=None),
           reference=False, story="a parameter created with torch.empty and never initialised")
 def _nan_param() -> Setup:
     model = ScaledNet()
@@ -718,7 +718,7 @@ def _routed(step: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
 
 
 @scenario("adam_eps0_update_makes_nan",
-          Expected("nonfinite_param", "optimizer", None, None, None, "optimizer_state", step=2, action="raised",
+          Expected("nonfinite_param", "optimizer", None, "expert", None, "optimizer_state", step=2, action="raised",
                    transient=None),
           reference=False,
           story="Adam with eps=0: a weight with zero gradient gets 0 / sqrt(0) in its first update")

@@ -159,7 +159,7 @@ def test_nonfinite_parameter_before_training_is_reported_and_cannot_be_skipped(q
         opt.step()
     guard.close()
     inc = info.value.incident
-    assert (inc.step, inc.kind, inc.cause, inc.phase, inc.action) == (0, "nonfinite_param", "nonfinite_param", None, "raised")
+    assert (inc.step, inc.kind, inc.cause, inc.phase, inc.action, inc.module) == (0, "nonfinite_param", "nonfinite_param", None, "raised", "2")
     assert inc.details["nonfinite_params"] == [{"name": "2.weight", "nan": 1, "inf": 0, "numel": 1024, "shape": [32, 32]}]
 
 
@@ -178,7 +178,7 @@ def test_update_that_corrupts_parameters_is_caught_at_the_next_step(quiet):
             opt.step()
     guard.close()
     inc = info.value.incident
-    assert (inc.step, inc.kind, inc.cause, inc.phase) == (0, "nonfinite_param", "optimizer_state", "optimizer")
+    assert (inc.step, inc.kind, inc.cause, inc.phase, inc.module) == (0, "nonfinite_param", "optimizer_state", "optimizer", "")
     assert inc.details["detected_at_step"] == 1
     assert inc.details["nonfinite_params"][0]["name"] == "weight"
 

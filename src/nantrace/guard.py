@@ -420,8 +420,11 @@ class Guard:
         details: dict[str, Any] = dict(finding.details)
         if not health.grads_finite:
             details["nonfinite_grads"] = nonfinite_tensors([(self._param_names[i], g) for i, g in zip(grad_index, grads)])
+        module = finding.module
         if not health.params_finite:
-            details["nonfinite_params"] = nonfinite_tensors(list(zip(self._param_names, self._params)))
+            details["nonfinite_params"] = bad_params = nonfinite_tensors(list(zip(self._param_names, self._params)))
+            if finding.kind == "nonfinite_param" and bad_params:
+                module = bad_params[0]["name"].rpartition(".")[0]  # the module that owns the first bad tensor
         if not health.inputs_finite:
             details["nonfinite_inputs"] = _bad_inputs(self._capture)
         details["loss"] = health.loss
@@ -433,7 +436,7 @@ class Guard:
             kind=finding.kind,
             phase=finding.phase,
             op=None,
-            module=finding.module,
+            module=module,
             source=None,
             rank=self.rank,
             cause=finding.cause,
