@@ -102,3 +102,8 @@ def incident_text(incident: Incident, width: int = 100) -> str:
 
 def _devnull() -> str:
     return "NUL" if sys.platform == "win32" else "/dev/null"
+
+
+def error(message: str) -> None:
+    """Print a user-facing error on stderr, unwrapped so it can be grepped and copied whole."""
+    CONSOLE.print(f"[red]error:[/red] {message}", soft_wrap=True, markup=True, highlight=False)

@@ -26,6 +26,7 @@ def demo(
     import nantrace
 
     from ..console import CONSOLE
+    from ..console import error as console_error
     from ..demo.data import make_batch
     from ..demo.model import DemoTransformer
 
@@ -35,7 +36,7 @@ def demo(
         if (out / "nantrace.db").exists():
             shutil.rmtree(out)
         elif any(out.iterdir()):
-            CONSOLE.print(f"[red]error:[/red] {out} exists and is not a nantrace run directory; choose another --out")
+            console_error(f"{out} exists and is not a nantrace run directory; choose another --out")
             raise typer.Exit(2)
     torch.manual_seed(0)
     model = DemoTransformer()

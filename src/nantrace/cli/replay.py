@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from ..console import CONSOLE, print_incident
+from ..console import error as console_error
 
 
 def replay_command(
@@ -22,7 +23,7 @@ def replay_command(
     try:
         incident = replay(bundle_dir, model)
     except ValueError as exc:
-        CONSOLE.print(f"[red]error:[/red] {exc}")
+        console_error(str(exc))
         raise typer.Exit(2) from None
     if as_json:
         typer.echo(json.dumps(incident.to_dict(), indent=2))

@@ -12,6 +12,7 @@ heatmap cell keeps NaN / Inf whenever any value in its bucket was non-finite.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -32,6 +33,10 @@ MAX_EXACT_MARKS = 2000
 """Up to this many non-finite (or skipped) steps are marked one by one; beyond, per bucket."""
 MAX_HEATMAP_COLUMNS = 1000
 """Step columns of a layers × steps heatmap at most."""
+MAX_EXACT_LAYER_ROWS = 8_000_000
+"""A per-layer table with more rows than this is read at every k-th recorded step (k chosen to
+stay under it) plus, in full, every step with an incident, a skipped update or a non-finite
+loss / gradient norm / parameter norm; below it every row is aggregated."""
 MAX_WORKERS = 8
 """Threads (each with its own read-only connection) aggregating the per-layer tables."""
 
@@ -90,7 +95,8 @@ class Heatmap:
 
     ``values[layer, column]`` is the largest finite value of the bucket, NaN if any value
     in the bucket was NaN, +Inf if any was infinite (and none NaN); ``present`` is False
-    where the layer has no row in that bucket.
+    where the layer has no value in that bucket. ``stride`` > 1: only every ``stride``-th
+    recorded step (and every special step) was read, ``rows_read`` of ``rows_total``.
     """
 
     key: str
@@ -102,6 +108,9 @@ class Heatmap:
     values: np.ndarray
     present: np.ndarray
     bucket_width: int
+    stride: int = 1
+    rows_total: int = 0
+    rows_read: int = 0
 
     @property
     def nonfinite_cells(self) -> int:
@@ -147,6 +156,7 @@ def load_report_data(
     max_curve_buckets: int = MAX_CURVE_BUCKETS,
     max_heatmap_columns: int = MAX_HEATMAP_COLUMNS,
     max_exact_marks: int = MAX_EXACT_MARKS,
+    max_exact_layer_rows: int = MAX_EXACT_LAYER_ROWS,
     workers: int | None = None,
 ) -> ReportData:
     """Read ``run_dir``'s run store and reduce it for drawing.
@@ -162,7 +172,7 @@ def load_report_data(
         meta = store.meta()
         incidents = store.incidents()
     db_path = path / DB_NAME
-    with _connect(db_path) as conn:
+    with contextlib.closing(_connect(db_path)) as conn:
         raw = conn.execute(
             "SELECT step, time, loss, grad_norm, param_norm, lr, scale, skipped, action FROM steps ORDER BY step"
         ).fetchall()
@@ -208,24 +218,36 @@ def load_report_data(
             }
 
     heatmaps: list[Heatmap] = []
+    special = np.union1d(incident_steps, steps[skipped_flags]) if len(steps) else incident_steps
+    for curve in curves[:3]:  # a non-finite layer value shows in the global loss / norms of its step
+        for marks in (curve.nan, curve.posinf, curve.neginf):
+            if marks.exact:
+                special = np.union1d(special, marks.start)
+            else:  # too many to list: take every step of the steps table whose value was non-finite
+                special = np.union1d(special, _nonfinite_steps(raw, curve.key))
     layer_rows = 0
-    if layer_span and layer_span[2]:
-        names = _names(meta.get("layer_names"))
-        start, end, width, values, present, layer_rows = _aggregate(
-            db_path, "layer_stats", ("grad_norm", "update_ratio"), int(layer_span[0]), int(layer_span[1]),
-            max_heatmap_columns, workers=workers)
-        layers = _layer_labels(names, values[0].shape[0])
-        heatmaps.append(Heatmap("layer_grad_norm", "Per-layer gradient norm", "grad norm", layers, start, end,
-                                values[0], present[0], width))
-        heatmaps.append(Heatmap("layer_update_ratio", "Per-layer update / parameter ratio", "update/param", layers, start,
-                                end, values[1], present[1], width))
-    if act_span and act_span[2]:
-        names = _names(meta.get("activation_names"))
-        start, end, width, values, present, _ = _aggregate(
-            db_path, "activation_stats", ("absmax",), int(act_span[0]), int(act_span[1]), max_heatmap_columns,
-            nonfinite_count="nonfinite", workers=workers)
-        heatmaps.append(Heatmap("activation_absmax", "Per-module activation abs-max", "abs-max",
-                                _layer_labels(names, values[0].shape[0]), start, end, values[0], present[0], width))
+    for table, columns, span, names_key, count_col in (
+        ("layer_stats", ("grad_norm", "update_ratio"), layer_span, "layer_names", None),
+        ("activation_stats", ("absmax",), act_span, "activation_names", "nonfinite"),
+    ):
+        if not (span and span[2]):
+            continue
+        rows, step_stride, dense = _sampling(db_path, table, int(span[0]), int(span[1]), max_exact_layer_rows)
+        grid = _aggregate(db_path, table, columns, int(span[0]), int(span[1]), max_heatmap_columns,
+                          nonfinite_count=count_col, workers=workers, stride=step_stride, special_steps=special,
+                          dense=dense)
+        layers = _layer_labels(_names(meta.get(names_key)), grid.values[0].shape[0])
+        common = dict(layers=layers, start=grid.start, end=grid.end, bucket_width=grid.width, stride=grid.stride,
+                      rows_total=rows, rows_read=grid.rows_read)
+        if table == "layer_stats":
+            layer_rows = rows
+            heatmaps.append(Heatmap("layer_grad_norm", "Per-layer gradient norm", "grad norm",
+                                    values=grid.values[0], present=grid.present[0], **common))
+            heatmaps.append(Heatmap("layer_update_ratio", "Per-layer update / parameter ratio", "update/param",
+                                    values=grid.values[1], present=grid.present[1], **common))
+        else:
+            heatmaps.append(Heatmap("activation_absmax", "Per-module activation abs-max", "abs-max",
+                                    values=grid.values[0], present=grid.present[0], **common))
 
     return ReportData(
         run_dir=path,
@@ -286,15 +308,28 @@ def _lr_groups(raw: Sequence[Any]) -> list[list[float | None]]:
         if not text:
             parsed.append([])
             continue
-        if text not in cache:
-            try:
-                value = json.loads(text)
-            except (TypeError, ValueError):
-                value = []
-            cache[text] = value if isinstance(value, list) else [value]
-        parsed.append(cache[text])
+        value = cache.get(text)
+        if value is None:
+            value = _parse_lr(text)
+            if len(cache) < 10_000:
+                cache[text] = value
+        parsed.append(value)
     groups = max((len(p) for p in parsed), default=0)
     return [[(p[g] if g < len(p) else None) for p in parsed] for g in range(groups)]
+
+
+def _parse_lr(text: Any) -> list[Any]:
+    """A stored learning-rate list (JSON; ``json.dumps`` writes NaN / Infinity for non-finite rates)."""
+    if isinstance(text, str) and text.startswith("[") and text.endswith("]") and "{" not in text:
+        try:  # fast path for a flat list of numbers
+            return [float(v) for v in text[1:-1].split(",")] if text[1:-1].strip() else []
+        except ValueError:
+            pass
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return []
+    return value if isinstance(value, list) else [value]
 
 
 def _names(value: Any) -> list[str]:
@@ -309,6 +344,25 @@ def _layer_labels(names: list[str], count: int) -> list[str]:
             labels[i] = f"{label} #{i}"
         seen[label] = i
     return labels
+
+
+def _sampling(db_path: Path, table: str, first: int, last: int, max_rows: int) -> tuple[int, int, bool]:
+    """(rows in ``table``, step stride keeping the rows read under ``max_rows``, whether every
+    step from ``first`` to ``last`` has as many rows as ``first``: then no step needs looking up)."""
+    with contextlib.closing(_connect(db_path)) as conn:
+        rows = int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+        per_step = int(conn.execute(f"SELECT count(*) FROM {table} WHERE step = ?", (first,)).fetchone()[0])
+    return rows, max(1, -(-rows // max(1, max_rows))), rows == per_step * (last - first + 1)
+
+
+def _nonfinite_steps(raw: Sequence[Sequence[Any]], key: str) -> np.ndarray:
+    col = {"loss": 2, "grad_norm": 3, "param_norm": 4}[key]
+    out = []
+    for r in raw:
+        v = _value(r[col])
+        if v is not None and not math.isfinite(v):
+            out.append(r[0])
+    return np.array(out, dtype=np.int64)
 
 
 # ----------------------------------------------------------------------------- curves
@@ -383,6 +437,17 @@ def _marks(steps: np.ndarray, flags: np.ndarray, buckets: _Buckets, max_exact: i
 
 
 # ----------------------------------------------------------------------------- heatmaps
+@dataclasses.dataclass
+class _Grid:
+    start: np.ndarray
+    end: np.ndarray
+    width: int
+    values: list[np.ndarray]
+    present: list[np.ndarray]
+    rows_read: int
+    stride: int
+
+
 def _aggregate(
     db_path: Path,
     table: str,
@@ -393,65 +458,84 @@ def _aggregate(
     *,
     nonfinite_count: str | None = None,
     workers: int = 1,
-) -> tuple[np.ndarray, np.ndarray, int, list[np.ndarray], list[np.ndarray], int]:
+    stride: int = 1,
+    special_steps: np.ndarray | None = None,
+    dense: bool = False,
+) -> _Grid:
     """Max of each column per (step bucket, layer), computed inside SQLite.
 
     SQLite's ``max()`` orders text above numbers, so a bucket holding the stored text 'nan'
     yields 'nan' (kept as NaN) and one holding +Inf yields +Inf: a non-finite value in a
-    bucket always reaches its cell. Returns (bucket first steps, bucket last steps, bucket
-    width, one (layers, buckets) array per column, one presence mask per column, rows
-    aggregated).
+    bucket always reaches its cell. With ``stride`` > 1 only every ``stride``-th recorded
+    step of a bucket is read, plus every step in ``special_steps`` (sorted), in full;
+    ``dense`` says every step of the range is recorded (no need to look the steps up).
     """
     width = max(1, -(-(last - first + 1) // max(1, max_columns)))
     ranges = [(lo, min(lo + width, last + 1)) for lo in range(first, last + 1, width)]
     aggregates = ", ".join(f"max({c})" for c in columns)
     if nonfinite_count:
         aggregates += f", sum({nonfinite_count})"
-    sql = (f"SELECT layer, min(step), max(step), count(*), {aggregates} FROM {table}"
-           f" WHERE step >= ? AND step < ? GROUP BY layer")
+    head = f"SELECT layer, count(*), {aggregates} FROM {table} WHERE "
+    by_range = head + "step >= ? AND step < ? GROUP BY layer"
+    specials = special_steps if special_steps is not None else np.zeros(0, dtype=np.int64)
 
-    def work(chunk: Iterable[tuple[int, int, int]]) -> list[tuple[int, list[Any]]]:
-        out: list[tuple[int, list[Any]]] = []
-        with _connect(db_path) as conn:
-            for b, lo, hi in chunk:
-                out.append((b, conn.execute(sql, (lo, hi)).fetchall()))
-        return out
+    def one(conn: sqlite3.Connection, lo: int, hi: int) -> tuple[int, int, list[Any]]:
+        if stride <= 1:
+            span = conn.execute(f"SELECT min(step), max(step) FROM {table} WHERE step >= ? AND step < ?", (lo, hi)).fetchone()
+            if span[0] is None:
+                return lo, hi, []
+            return span[0], span[1], conn.execute(by_range, (lo, hi)).fetchall()
+        if dense:
+            recorded = list(range(lo, hi))
+        else:
+            recorded = [r[0] for r in conn.execute(f"SELECT DISTINCT step FROM {table} WHERE step >= ? AND step < ?",
+                                                   (lo, hi))]
+        if not recorded:
+            return lo, hi, []
+        extra = specials[np.searchsorted(specials, lo):np.searchsorted(specials, hi)].tolist()
+        chosen = sorted(set(recorded[::stride]) | set(extra))
+        sql = head + f"step IN ({','.join('?' * len(chosen))}) GROUP BY layer"
+        return recorded[0], recorded[-1], conn.execute(sql, chosen).fetchall()
+
+    def work(chunk: Iterable[tuple[int, int, int]]) -> list[tuple[int, tuple[int, int, list[Any]]]]:
+        conn = _connect(db_path)
+        try:
+            return [(b, one(conn, lo, hi)) for b, lo, hi in chunk]
+        finally:
+            conn.close()
 
     jobs = [(b, lo, hi) for b, (lo, hi) in enumerate(ranges)]
     workers = max(1, min(workers, len(jobs)))
-    parts = [jobs[i::workers] for i in range(workers)]
     if workers == 1:
         results = work(jobs)
     else:
         with ThreadPoolExecutor(workers, thread_name_prefix="nantrace-report") as pool:
-            results = [item for part in pool.map(work, parts) for item in part]
+            results = [item for part in pool.map(work, [jobs[i::workers] for i in range(workers)]) for item in part]
     results.sort(key=lambda item: item[0])
-    results = [(b, rows) for b, rows in results if rows]
-    n_layers = 1 + max((row[0] for _, rows in results for row in rows), default=-1)
-    n_cols = len(results)
+    kept = [res for _, res in results if res[2]]
+    n_layers = 1 + max((row[0] for _, _, rows in kept for row in rows if isinstance(row[0], int)), default=-1)
+    n_cols = len(kept)
     values = [np.full((n_layers, n_cols), np.nan) for _ in columns]
     present = [np.zeros((n_layers, n_cols), dtype=bool) for _ in columns]
-    start = np.zeros(n_cols, dtype=np.int64)
-    end = np.zeros(n_cols, dtype=np.int64)
+    start = np.array([k[0] for k in kept], dtype=np.int64)
+    end = np.array([k[1] for k in kept], dtype=np.int64)
     total = 0
-    for col, (_, rows) in enumerate(results):
-        start[col] = min(r[1] for r in rows)
-        end[col] = max(r[2] for r in rows)
+    for col, (_, _, rows) in enumerate(kept):
         for r in rows:
             layer = r[0]
             if not isinstance(layer, int) or layer < 0:
                 continue
-            total += r[3]
+            total += r[1]
             for k in range(len(columns)):
-                v = _value(r[4 + k])
+                v = _value(r[2 + k])
                 if v is not None:  # all NULL in the bucket: not measured, left out (not NaN)
                     values[k][layer, col] = v
                     present[k][layer, col] = True
-            if nonfinite_count and r[4 + len(columns)]:
+            if nonfinite_count and r[2 + len(columns)]:
                 # the module's output held non-finite values: the cell is non-finite whatever its abs-max
                 values[0][layer, col] = math.nan
                 present[0][layer, col] = True
-    return start, end, width, values, present, total
+    return _Grid(start=start, end=end, width=width, values=values, present=present, rows_read=total, stride=stride)
 
 
 # ----------------------------------------------------------------------------- source code

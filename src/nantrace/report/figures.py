@@ -234,6 +234,8 @@ def heatmap_figure(heatmap: Heatmap, incidents: Sequence[Incident]) -> FigureSpe
     shown = np.where(heatmap.present, heatmap.values, np.nan)
     n_layers = len(heatmap.layers)
     per = f"max over buckets of {heatmap.bucket_width} steps" if heatmap.bucket_width > 1 else "one column per step"
+    if heatmap.stride > 1:
+        per += f", every {heatmap.stride}th step read + all special steps"
     title = f"{heatmap.title} ({per}; log colour scale)"
     fig = go.Figure(go.Heatmap(
         z=enc.z, x=heatmap.start, y=heatmap.layers, customdata=shown,

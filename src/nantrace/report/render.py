@@ -147,6 +147,14 @@ def _notes(data: ReportData, n_cards: int) -> list[str]:
     if wide:
         notes.append(f"Heatmaps show the largest value per layer in buckets of {wide[0].bucket_width:,} steps; "
                      "a bucket holding any NaN or Inf is coloured as such.")
+    for h in data.heatmaps:
+        if h.stride > 1 and h.key != "layer_update_ratio":
+            notes.append(
+                f"{h.title}: the store holds {h.rows_total:,} rows; to keep the report fast, every {h.stride}th "
+                f"recorded step was read ({h.rows_read:,} rows), plus, in full, every step with an incident, a "
+                "skipped update or a non-finite loss, gradient norm or parameter norm. Non-finite values behind "
+                "those show exactly; a finite one-step spike between read steps may not."
+            )
     if len(data.incidents) > n_cards:
         notes.append(f"{len(data.incidents):,} incidents: cards are shown for the first {n_cards}; "
                      "the table lists the others.")
