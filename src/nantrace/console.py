@@ -78,11 +78,12 @@ def render_incident(incident: Incident) -> Panel:
     if incident.chain:
         chain = " → ".join(f"{c.get('op')}" + (f" [{c.get('module')}]" if c.get("module") else "") for c in incident.chain)
         parts.append(Text.assemble(("chain  ", "bold cyan"), chain))
-    bad = incident.details.get("nonfinite_grads") or incident.details.get("nonfinite_params")
-    if bad:
-        names = ", ".join(f"{b['name']} ({b['nan']} NaN, {b['inf']} Inf)" for b in bad[:6])
-        more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
-        parts.append(Text.assemble(("tensors  ", "bold cyan"), names + more))
+    for key, label in (("nonfinite_params", "bad params  "), ("nonfinite_grads", "bad grads  ")):
+        bad = incident.details.get(key)
+        if bad:
+            names = ", ".join(f"{b['name']} ({b['nan']} NaN, {b['inf']} Inf)" for b in bad[:6])
+            more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
+            parts.append(Text.assemble((label, "bold cyan"), names + more))
     parts.append(Text.assemble(("fix  ", "bold green"), incident.fix))
     if incident.bundle:
         parts.append(Text.assemble(("bundle  ", "bold cyan"), incident.bundle))
