@@ -19,19 +19,24 @@ class Classifier(nn.Module):
         return torch.log(probs)  # log-probabilities, the naive way
 
 
-torch.manual_seed(0)
-model = Classifier()
-optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-guard = nantrace.watch(model, optimizer, run_dir="runs/quickstart")  # the one added line
+def main() -> None:
+    torch.manual_seed(0)
+    model = Classifier()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    guard = nantrace.watch(model, optimizer, run_dir="runs/quickstart")  # the one added line
 
-for step in range(50):
-    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
-    if step == 30:
-        x = x * 1e4  # an unnormalised batch slips through
-    optimizer.zero_grad()
-    loss = F.nll_loss(model(x), y)
-    loss.backward()
-    optimizer.step()  # nantrace skips this update at step 30 and explains why
+    for step in range(50):
+        x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+        if step == 30:
+            x = x * 1e4  # an unnormalised batch slips through
+        optimizer.zero_grad()
+        loss = F.nll_loss(model(x), y)
+        loss.backward()
+        optimizer.step()  # nantrace skips this update at step 30 and explains why
 
-guard.close()
-print(f"{len(guard.incidents)} incident(s); training went on to step {guard.step}")
+    guard.close()
+    print(f"{len(guard.incidents)} incident(s); training went on to step {guard.step}")
+
+
+if __name__ == "__main__":
+    main()

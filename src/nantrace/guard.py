@@ -128,6 +128,7 @@ class Guard:
         self._bundles_written = 0
         self._last_applied: int | None = None
         self._data_inbox: deque[Any] = deque()
+        self._last_row: dict[str, Any] | None = None
         self._owner_thread = threading.get_ident()
         self._recorder: deque[dict[str, Any]] = deque(maxlen=config.flight_recorder)
         self._loss_spikes = RobustSpikeDetector(
@@ -526,6 +527,7 @@ class Guard:
             "skipped": skipped,
             "action": action,
         }
+        self._last_row = row
         if self._recorder.maxlen:
             self._recorder.append(row)
         if not skipped:
@@ -576,6 +578,12 @@ class Guard:
                 lr = float(lr) if lr.device.type == "cpu" else float("nan")
             out.append(float(lr) if lr is not None else float("nan"))
         return out
+
+    @property
+    def last_step(self) -> dict[str, Any] | None:
+        """Health figures of the last finished step (step, loss, grad_norm, param_norm, scale,
+        skipped, action), e.g. for logging to a trainer's logger; ``None`` before the first step."""
+        return dict(self._recorder[-1]) if self._recorder else self._last_row
 
     # ------------------------------------------------------------ tear-down
     def close(self) -> None:

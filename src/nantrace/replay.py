@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,8 @@ def resolve_factory(spec: str) -> Callable[[], nn.Module]:
     if not isinstance(spec, str) or ":" not in spec:
         raise ValueError(f"model factory must be 'module:callable', got {spec!r}")
     module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:  # as `python -m` does: modules of the current project import
+        sys.path.insert(0, os.getcwd())
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:

@@ -10,7 +10,7 @@ import typer
 
 
 def report_command(
-    run_dir: Path = typer.Argument(..., help="A run directory written by nantrace (it holds nantrace.db)."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by nantrace (it holds nantrace.db)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="HTML file to write (default: RUN_DIR/report.html)."),
 ) -> None:
     """Render RUN_DIR as one self-contained HTML report (opens offline, no network needed)."""
