@@ -11,10 +11,12 @@ Usage::
     python benchmarks/report_scale.py                          # 100,000 × 200, in a temp dir
     python benchmarks/report_scale.py --steps 20000 --layers 50 --keep runs/bench/scale
     python benchmarks/report_scale.py --json runs/bench/report_scale.json
+    python benchmarks/report_scale.py --keep /tmp/scale            # keep the store, then:
+    python benchmarks/report_scale.py --reuse /tmp/scale --exact   # every layer row aggregated
 
     # prints e.g.
-    #  store  100000 steps × 200 layers (20,000,000 layer rows) written in 31.2 s, 610.4 MB
-    #  report 8.9 s, 11.3 MB  ->  /tmp/.../report.html
+    #  store  100000 steps × 200 layers (20,000,000 layer rows) written in 49.2 s, 696.1 MB
+    #  report 9.5 s, 12.1 MB
 """
 
 from __future__ import annotations
@@ -151,28 +153,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=200)
     parser.add_argument("--keep", type=Path, default=None, help="write the run here and keep it (default: a temp dir, removed)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON here")
+    parser.add_argument("--reuse", type=Path, default=None, help="render this existing run directory instead of writing one")
+    parser.add_argument("--exact", action="store_true", help="aggregate every per-layer row (no step sampling)")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="nantrace-report-scale-") as tmp:
-        run_dir = args.keep if args.keep is not None else Path(tmp) / "run"
-        if (run_dir / DB_NAME).exists():
-            raise SystemExit(f"{run_dir} already holds a run store; choose an empty --keep directory")
-        t0 = time.perf_counter()
-        write_store(run_dir, args.steps, args.layers)
-        write_s = time.perf_counter() - t0
+        if args.reuse is not None:
+            run_dir, write_s = args.reuse, 0.0
+            with RunStore(run_dir, readonly=True) as store:
+                args.steps = len(store.steps())
+                args.layers = len(store.get_meta("layer_names") or [])
+        else:
+            run_dir = args.keep if args.keep is not None else Path(tmp) / "run"
+            if (run_dir / DB_NAME).exists():
+                raise SystemExit(f"{run_dir} already holds a run store; choose an empty --keep directory")
+            t0 = time.perf_counter()
+            write_store(run_dir, args.steps, args.layers)
+            write_s = time.perf_counter() - t0
         db_mb = os.path.getsize(run_dir / DB_NAME) / 1e6
-        print(f"store  {args.steps} steps × {args.layers} layers ({args.steps * args.layers:,} layer rows) "
-              f"written in {write_s:.1f} s, {db_mb:.1f} MB")
+        print(f"store  {args.steps} steps × {args.layers} layers ({args.steps * args.layers:,} layer rows)"
+              + (f" written in {write_s:.1f} s" if write_s else " (reused)") + f", {db_mb:.1f} MB")
         t0 = time.perf_counter()
-        out = render_report(run_dir)
+        kept = args.keep is not None or args.reuse is not None
+        out = render_report(run_dir, None if kept else Path(tmp) / "report.html",
+                            max_exact_layer_rows=10**12 if args.exact else None)
         render_s = time.perf_counter() - t0
         html_mb = out.stat().st_size / 1e6
-        print(f"report {render_s:.1f} s, {html_mb:.1f} MB  ->  {out}")
+        print(f"report {render_s:.1f} s, {html_mb:.1f} MB{' (exact per-layer maxima)' if args.exact else ''}"
+              + (f"  ->  {out}" if kept else ""))
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({
                 "steps": args.steps, "layers": args.layers, "write_store_s": round(write_s, 2),
                 "store_mb": round(db_mb, 1), "render_s": round(render_s, 2), "html_mb": round(html_mb, 2),
+                "exact": args.exact, "load_average": os.getloadavg()[0],
                 "python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count(),
             }, indent=2))
     return 0

@@ -236,7 +236,7 @@ def test_incident_click_and_linked_zoom(browser: Browser, report: tuple[Path, st
         time.sleep(0.1)
     assert browser.evaluate(f"document.getElementById('incident-{incident_id}').classList.contains('flash')")
     # zooming one plot zooms the others (curves and heatmaps share the step axis)
-    browser.evaluate("Plotly.relayout('curve-loss', {'xaxis.range': [3, 9]})")
+    browser.evaluate("Plotly.relayout('curve-loss', {'xaxis.range': [3, 9]}).then(() => true)")
     deadline = time.monotonic() + 10
     ranges: list[Any] = []
     while time.monotonic() < deadline:

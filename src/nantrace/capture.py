@@ -102,12 +102,16 @@ class StepCapture:
     calls: list[CallRecord] = dataclasses.field(default_factory=list)
     inputs_ok: torch.Tensor | None = None
     outputs_ok: torch.Tensor | None = None
+    local_grads_ok: torch.Tensor | None = None
 
     def and_inputs(self, flag: torch.Tensor) -> None:
         self.inputs_ok = flag if self.inputs_ok is None else self.inputs_ok & flag
 
     def and_outputs(self, flag: torch.Tensor) -> None:
         self.outputs_ok = flag if self.outputs_ok is None else self.outputs_ok & flag
+
+    def and_local_grads(self, flag: torch.Tensor) -> None:
+        self.local_grads_ok = flag if self.local_grads_ok is None else self.local_grads_ok & flag.to(self.local_grads_ok.device)
 
 
 def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 _PRESETS = ("minimal", "default", "thorough")
@@ -88,6 +89,57 @@ class Config:
     """``"module:callable"`` that rebuilds the model in a fresh process for ``nantrace replay``
     (default: the model's class, when it is importable and takes no arguments)."""
 
+    # ---- training dynamics (nantrace.dynamics, docs/dynamics.md); 0 turns a statistic off
+    layer_stats_every: int = 1
+    """Per-layer gradient and parameter norms (tensors grouped by owning module, read from the
+    step's one check, no extra work on the device) every this many steps; 0 = off."""
+
+    update_stats_every: int = 25
+    """Per-layer update/parameter ratio ‖Δθ‖/‖θ‖ every this many steps (the parameters are
+    copied before the update of those steps only); 0 = off."""
+
+    activation_stats_every: int = 50
+    """Every module's output abs-max and non-finite count every this many steps (forward hooks
+    installed for those steps only; needs a run directory or TensorBoard); 0 = off."""
+
+    optimizer_stats_every: int = 25
+    """Adam-family state check (``exp_avg`` drift, ``exp_avg_sq`` underflow against eps) every
+    this many steps; 0 = off. A static eps/dtype check runs once whenever this is on."""
+
+    logit_stats_every: int = 50
+    """Logit saturation of the model's classification output every this many steps; 0 = off."""
+
+    early_warnings: bool = True
+    """Report trends that come before a NaN: growing gradient/weight ratios, update ratios too
+    large for long, a layer whose gradient vanishes (incidents with action ``logged``)."""
+
+    dynamics_warmup: int = 100
+    """Steps before early warnings start judging: the first steps of a run are legitimately wild."""
+
+    update_ratio_max: float = 0.1
+    """A layer whose update/parameter ratio stays above this for 50+ steps is reported (``update_ratio``)."""
+
+    clip_stats: bool = True
+    """Observe ``torch.nn.utils.clip_grad_norm_`` while the guard is open: how often clipping
+    fires, the pre-clip norm distribution and a suggested ``max_norm``."""
+
+    lr_schedule: Any = None
+    """The learning-rate schedule you meant, checked against the one that runs: a dict
+    (``peak_lr``, ``warmup_steps``, ``decay`` = ``"cosine"``/``"linear"``/``"constant"``,
+    ``total_steps``, ``min_lr``, ``warmup_init_lr``, ``offset``), a callable ``step -> lr`` (or
+    a list of lrs, one per param group), or the ``torch.optim.lr_scheduler`` object itself
+    (then one scheduler step per optimizer step is what is checked); ``None`` = no check."""
+
+    lr_tolerance: float = 0.01
+    """Relative tolerance of the schedule check (``|lr_ran - lr_meant| / lr_meant``)."""
+
+    label_smoothing: float = 0.0
+    """The label smoothing your loss applies, declared for the logit-saturation check."""
+
+    tensorboard: bool | str = False
+    """Export the trajectory to TensorBoard: a log directory, or ``True`` for ``RUN_DIR/tensorboard``
+    (needs ``pip install 'nantrace[tensorboard]'``)."""
+
     def __post_init__(self) -> None:
         _positive_int(self, "spike_window", minimum=24)
         _positive_int(self, "spike_warmup", minimum=24)
@@ -111,13 +163,35 @@ class Config:
             )
         if self.model_factory is not None and (not isinstance(self.model_factory, str) or ":" not in self.model_factory):
             raise ValueError(f"Config.model_factory must be 'module:callable', got {self.model_factory!r}")
+        for name in ("layer_stats_every", "update_stats_every", "activation_stats_every", "optimizer_stats_every",
+                     "logit_stats_every", "dynamics_warmup"):
+            _positive_int(self, name, minimum=0)
+        if not isinstance(self.update_ratio_max, (int, float)) or isinstance(self.update_ratio_max, bool) or not (
+                self.update_ratio_max > 0):
+            raise ValueError(f"Config.update_ratio_max must be a number > 0, got {self.update_ratio_max!r}")
+        if not isinstance(self.lr_tolerance, (int, float)) or isinstance(self.lr_tolerance, bool) or not (
+                0 < self.lr_tolerance < 1):
+            raise ValueError(f"Config.lr_tolerance must be a number in (0, 1), got {self.lr_tolerance!r}")
+        if not isinstance(self.label_smoothing, (int, float)) or isinstance(self.label_smoothing, bool) or not (
+                0 <= self.label_smoothing < 1):
+            raise ValueError(f"Config.label_smoothing must be a number in [0, 1), got {self.label_smoothing!r}")
+        if not isinstance(self.tensorboard, (bool, str, os.PathLike)) or self.tensorboard == "":
+            raise ValueError(
+                f"Config.tensorboard must be False, True (RUN_DIR/tensorboard) or a log directory, got {self.tensorboard!r}"
+            )
+        if self.lr_schedule is not None:
+            from .dynamics.lr_schedule import validate_schedule
+
+            validate_schedule(self.lr_schedule)
         for f in dataclasses.fields(self):
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise TypeError(f"Config.{f.name} must be a bool, got {getattr(self, f.name)!r}")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "Config":
-        """``"minimal"`` (non-finite checks only), ``"default"`` or ``"thorough"`` (every check, more history)."""
+        """``"minimal"`` (non-finite checks only, no training-dynamics statistics), ``"default"``
+        (cheap statistics every step, costly ones sampled) or ``"thorough"`` (every check and
+        every statistic on every step, more history)."""
         if name not in _PRESETS:
             raise ValueError(f"unknown Config preset {name!r}; expected one of {', '.join(_PRESETS)}")
         values: dict[str, Any] = {}
@@ -130,9 +204,24 @@ class Config:
                 snapshot_buffers=False,
                 keep_output_grads=False,
                 flight_recorder=8,
+                layer_stats_every=0,
+                update_stats_every=0,
+                activation_stats_every=0,
+                optimizer_stats_every=0,
+                logit_stats_every=0,
+                early_warnings=False,
+                clip_stats=False,
             )
         elif name == "thorough":
-            values = dict(flight_recorder=128, spike_window=256)
+            values = dict(
+                flight_recorder=128,
+                spike_window=256,
+                layer_stats_every=1,
+                update_stats_every=1,
+                activation_stats_every=1,
+                optimizer_stats_every=1,
+                logit_stats_every=1,
+            )
         values.update(overrides)
         return cls(**values)
 

@@ -47,6 +47,9 @@ from .detection.scaler import ScalerMonitor
 from .detection.sentinel import StepHealth, measure, nonfinite_tensors
 from .detection.spikes import RobustSpikeDetector
 from .diagnosis.triage import Finding, triage
+from .dynamics.base import Monitor, Signal, StepContext
+from .dynamics.registry import build_monitors
+from .distributed import Agreement, agree, install_local_grad_check, world
 from .errors import NonFiniteError
 from .incident import Incident
 from .response.policies import POLICIES, action_for
@@ -71,14 +74,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return 0
-
-
 class _Decision:
-    __slots__ = ("health", "incident", "block", "scaler_skip", "stashed")
+    __slots__ = ("health", "incident", "block", "scaler_skip", "stashed", "grad_index")
 
     def __init__(self, health: StepHealth, incident: Incident | None, block: bool, scaler_skip: bool) -> None:
         self.health = health
@@ -86,6 +83,7 @@ class _Decision:
         self.block = block
         self.scaler_skip = scaler_skip
         self.stashed: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self.grad_index: list[int] = []
 
 
 class Guard:
@@ -111,8 +109,10 @@ class Guard:
         self.scaler = scaler
         self.policy = on_anomaly
         self.config = config
+        self.rank, self.world_size = world()
         self.run_dir = os.fspath(run_dir) if run_dir is not None else None
-        self.rank = _rank()
+        if self.run_dir is not None and self.rank != 0:
+            self.run_dir = os.path.join(self.run_dir, f"rank{self.rank}")  # every rank keeps its own store and bundles
         self.incidents: list[Incident] = []
         self.step = 0
         self.closed = False
@@ -129,6 +129,7 @@ class Guard:
         self._last_applied: int | None = None
         self._data_inbox: deque[Any] = deque()
         self._last_row: dict[str, Any] | None = None
+        self.monitors: list[Monitor] = []
         self._owner_thread = threading.get_ident()
         self._recorder: deque[dict[str, Any]] = deque(maxlen=config.flight_recorder)
         self._loss_spikes = RobustSpikeDetector(
@@ -151,6 +152,8 @@ class Guard:
                 self.store = RunStore(self.run_dir)
                 self._write_meta()
             self._install()
+            for monitor in build_monitors(config):
+                self.add_monitor(monitor)
         except BaseException:
             self.close()
             raise
@@ -176,6 +179,7 @@ class Guard:
         if self.scaler is not None:
             self._patch_scaler()
         INTERCEPTOR.add(id(self), self._on_loss)
+        self.checks_local_grads = self.world_size > 1 and install_local_grad_check(self)
 
     def _patch_scaler(self) -> None:
         scaler = self.scaler
@@ -347,6 +351,9 @@ class Guard:
             decision.stashed = [(p, p.grad) for p in self._params]
             for p in self._params:
                 p.grad = None
+        elif self.monitors and not (decision is not None and decision.scaler_skip):
+            for monitor in self.monitors:
+                monitor.before_update(self.step, self._params)
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.closed or self._in_scaler_step:
@@ -392,6 +399,7 @@ class Guard:
             losses=capture.losses + [c.loss for c in capture.calls if c.loss is not None and not capture.losses],
             inputs_ok=capture.inputs_ok,
             outputs_ok=capture.outputs_ok,
+            local_grads_ok=capture.local_grads_ok,
             scale=getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() else None,
             grads_scaled=grads_scaled and self.scaler is not None,
         )
@@ -403,17 +411,47 @@ class Guard:
             grad_spikes=self._grad_spikes if self.config.detect_grad_explosion else None,
             last_applied=self._last_applied,
         )
+        agreement = None
+        if self.world_size > 1:
+            agreement, finding = self._agree(health, finding, device=grads[0].device if grads else torch.device("cpu"))
         scaler_skip = via_scaler and not health.grads_finite and finding is None
         incident = None
         block = False
         if finding is not None:
             incident = self._make_incident(finding, health, grads, grad_index)
+            if agreement is not None and agreement.origin_ranks:
+                incident.rank = agreement.origin_ranks[0]
+                incident.details["origin_ranks"] = agreement.origin_ranks
+                if self.rank not in agreement.origin_ranks:
+                    incident.summary = (f"The non-finite values came from rank {incident.rank} (its own data or "
+                                        f"gradients, before the all-reduce); this rank only received them. " + incident.summary)
             block = incident.action != "logged"
         decision = _Decision(health, incident, block, scaler_skip)
+        decision.grad_index = grad_index
         self._decision = decision
         if incident is not None:
             self._report(incident, decision)
         return decision
+
+    def _agree(self, health: StepHealth, finding: Finding | None, *, device: torch.device) -> tuple[Agreement, Finding | None]:
+        """Make every rank take the same decision; name the rank the failure came from."""
+        local_origin = not (health.inputs_finite and health.loss_finite and health.outputs_finite
+                            and health.local_grads_finite and health.params_finite) or (
+            finding is not None and finding.kind == "loss_spike")  # the loss is per rank; gradients are shared
+        blocks = finding is not None and action_for(
+            self.policy, finding, finite_trouble=finding.kind in ("loss_spike", "grad_explosion", "scaler_collapse"),
+            config=self.config) != "logged"
+        agreement = agree(rank=self.rank, world_size=self.world_size, local_origin=local_origin,
+                          local_kind=finding.kind if blocks and finding is not None else None, device=device)
+        if agreement.block and not blocks:
+            finding = Finding(
+                self.step, agreement.peer_kind or "nonfinite_grad", None, "unknown", None,
+                f"Rank {agreement.peer_rank} reported {agreement.peer_kind} at step {self.step}; this rank skips "
+                "the update too, so that every replica stays identical.",
+                f"See the incident recorded by rank {agreement.peer_rank}.",
+                details={"peer_rank": agreement.peer_rank},
+            )
+        return agreement, finding
 
     def _make_incident(self, finding: Finding, health: StepHealth, grads: list[torch.Tensor], grad_index: list[int]) -> Incident:
         finite_trouble = finding.kind in ("loss_spike", "grad_explosion", "scaler_collapse")
@@ -450,7 +488,10 @@ class Guard:
 
     def _report(self, incident: Incident, decision: _Decision) -> None:
         """Localise (when enabled), keep, store and print the incident; raise if the policy says so."""
-        if self.config.localise and incident.kind.startswith("nonfinite") and incident.kind != "nonfinite_param":
+        origins = incident.details.get("origin_ranks")
+        here = origins is None or self.rank in origins
+        if self.config.localise and here and incident.kind.startswith("nonfinite") and incident.kind != "nonfinite_param" \
+                and "peer_rank" not in incident.details:
             from .localisation.localiser import localise_incident
 
             localise_incident(self, incident, self._capture)
@@ -538,10 +579,36 @@ class Guard:
                 lr=self._lrs(), scale=health.scale, skipped=skipped, action=action,
                 incident=decision.incident.id if decision.incident is not None else None,
             )
+        if self.monitors and not raised:
+            self._run_monitors(decision, applied=not skipped)
         self.step += 1
         self._capture = StepCapture()
         self._decision = None
         self._unscaled = False
+
+    def add_monitor(self, monitor: Monitor) -> None:
+        """Attach a training-dynamics monitor (see ``nantrace.dynamics``); it is detached by ``close()``."""
+        monitor.attach(self)
+        self.monitors.append(monitor)
+
+    def _run_monitors(self, decision: _Decision, *, applied: bool) -> None:
+        ctx = StepContext(step=self.step, health=decision.health, grad_index=decision.grad_index,
+                          param_names=self._param_names, applied=applied, lrs=self._lrs())
+        for monitor in self.monitors:
+            for signal in monitor.on_step(ctx):
+                self._report_signal(signal)
+
+    def _report_signal(self, signal: Signal) -> None:
+        incident = Incident(
+            step=self.step, kind=signal.kind, phase=signal.phase, op=None, module=signal.module, source=None,
+            rank=self.rank, cause=signal.cause, summary=signal.summary, fix=signal.fix, action="logged",
+            details=dict(signal.details), history=list(self._recorder),
+        )
+        self.incidents.append(incident)
+        if self.store is not None:
+            self.store.log_incident(incident)
+        if self.config.print_incidents:
+            console.print_incident(incident)
 
     def _report_collapse(self, collapse: Any, decision: _Decision) -> None:
         from .diagnosis.patterns import explain
@@ -593,6 +660,8 @@ class Guard:
         if self._data_inbox:
             self._flush_data_incidents()
         self.closed = True
+        for monitor in self.monitors:
+            monitor.detach()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -22,6 +22,12 @@ KINDS = (
     "grad_explosion",
     "scaler_collapse",
     "optimizer_state",
+    "grad_growth",
+    "update_ratio",
+    "vanishing_gradient",
+    "lr_schedule",
+    "clipping",
+    "logit_saturation",
 )
 PHASES = ("data", "forward", "backward", "optimizer")
 ACTIONS = ("skipped", "raised", "rolled_back", "paused", "logged")
@@ -44,6 +50,11 @@ CAUSES = (
     "scaler_collapse",
     "optimizer_state",
     "unknown",
+    "update_too_large",
+    "vanishing_gradient",
+    "lr_schedule_mismatch",
+    "clip_threshold",
+    "logit_saturation",
 )
 
 

@@ -24,6 +24,8 @@ class StepHealth:
     param_norm: float | None
     inputs_finite: bool
     outputs_finite: bool
+    local_grads_finite: bool
+    """This rank's own gradients before the data-parallel all-reduce (True when not distributed)."""
     scale: float | None
     grad_norms: list[float]
     param_norms: list[float]
@@ -58,6 +60,7 @@ def measure(
     losses: Sequence[torch.Tensor],
     inputs_ok: torch.Tensor | None,
     outputs_ok: torch.Tensor | None,
+    local_grads_ok: torch.Tensor | None = None,
     scale: torch.Tensor | None,
     grads_scaled: bool,
 ) -> StepHealth:
@@ -80,13 +83,14 @@ def measure(
         torch.linalg.vector_norm(pvec) if pvec is not None else nan,
         inputs_ok.to(device, torch.float32) if inputs_ok is not None else one,
         outputs_ok.to(device, torch.float32) if outputs_ok is not None else one,
+        local_grads_ok.to(device, torch.float32) if local_grads_ok is not None else one,
         scale.detach().to(device, torch.float32).reshape(()) if scale is not None else nan,
     ]
     vec = torch.cat([torch.stack(head)] + [v for v in (gvec, pvec) if v is not None])
     host = vec.tolist()  # the one host synchronisation of the step
-    loss, gnorm, pnorm, in_ok, out_ok, sc = host[:6]
-    grad_norms = host[6 : 6 + len(gn)]
-    param_norms = host[6 + len(gn) :]
+    loss, gnorm, pnorm, in_ok, out_ok, local_ok, sc = host[:7]
+    grad_norms = host[7 : 7 + len(gn)]
+    param_norms = host[7 + len(gn) :]
     scale_value = sc if not math.isnan(sc) else None
     # A float32 norm can overflow while every element is finite (large gradients, or a
     # GradScaler's factor): only on that rare path, check exactly and recount in float64.
@@ -105,6 +109,7 @@ def measure(
         param_norm=pnorm if pn else None,
         inputs_finite=bool(in_ok),
         outputs_finite=bool(out_ok),
+        local_grads_finite=bool(local_ok),
         scale=scale_value,
         grad_norms=grad_norms,
         param_norms=param_norms,

@@ -103,6 +103,25 @@ PATTERNS: tuple[Pattern, ...] = (
             "check the learning rate."),
     Pattern("unknown", (), "A non-finite value appeared{where}{detail}, and its cause could not be established.",
             "Re-run with on_anomaly='pause' to keep a bundle and replay it with `nantrace replay`."),
+    # training dynamics (early warnings, nantrace.dynamics): logged, nothing blocked
+    Pattern("update_too_large", (), "Updates are too large for the weights they change{detail}: ‖Δθ‖/‖θ‖ stayed far "
+            "above the usual 1e-3 (a learning rate too high for this layer).",
+            "Lower the learning rate (or this layer's param-group LR) or lengthen warmup; healthy runs keep "
+            "‖Δθ‖/‖θ‖ around 1e-3 and well below 1e-1."),
+    Pattern("vanishing_gradient", (), "A layer stopped receiving gradient{detail}: its gradient collapsed by orders of "
+            "magnitude relative to the other layers.",
+            "Look for dead ReLUs (a large negative bias, LR spike) or saturated sigmoid/tanh on the path to this layer: "
+            "use LeakyReLU/GELU, normalisation, residual connections or a lower learning rate."),
+    Pattern("lr_schedule_mismatch", (), "The learning rate that ran is not the schedule that was declared{detail}.",
+            "Step the scheduler once per optimizer step (not per epoch, not per micro-batch), after optimizer.step(), "
+            "and check warmup_steps/total_steps and the peak LR passed to it."),
+    Pattern("clip_threshold", (), "Gradient clipping is miscalibrated{detail}.",
+            "Set max_norm from the run's own pre-clip norms (nantrace suggests a high quantile of the healthy ones): "
+            "clipping should catch the rare spike, not fire on every step."),
+    Pattern("logit_saturation", (), "The classifier's logits saturate{detail}: softmax probabilities round to 0 and 1, "
+            "so gradients vanish for confident rows and low precision overflows.",
+            "Use label smoothing (F.cross_entropy(..., label_smoothing=0.1)), weight decay on the head, a z-loss or "
+            "logit soft-capping, or a lower learning rate."),
 )
 
 

@@ -176,8 +176,9 @@ def load_report_data(
         raw = conn.execute(
             "SELECT step, time, loss, grad_norm, param_norm, lr, scale, skipped, action FROM steps ORDER BY step"
         ).fetchall()
-        layer_span = conn.execute("SELECT min(step), max(step), count(*) > 0 FROM layer_stats").fetchone()
-        act_span = conn.execute("SELECT min(step), max(step), count(*) > 0 FROM activation_stats").fetchone()
+        # min/max of the primary key's first column are index look-ups; count(*) would scan the table
+        layer_span = conn.execute("SELECT min(step), max(step) FROM layer_stats").fetchone()
+        act_span = conn.execute("SELECT min(step), max(step) FROM activation_stats").fetchone()
     steps = np.fromiter((r[0] for r in raw), dtype=np.int64, count=len(raw))
     times = [r[1] for r in raw if isinstance(r[1], (int, float))]
     incident_steps = np.array(sorted({i.step for i in incidents}), dtype=np.int64)
@@ -230,7 +231,7 @@ def load_report_data(
         ("layer_stats", ("grad_norm", "update_ratio"), layer_span, "layer_names", None),
         ("activation_stats", ("absmax",), act_span, "activation_names", "nonfinite"),
     ):
-        if not (span and span[2]):
+        if not span or span[0] is None:
             continue
         rows, step_stride, dense = _sampling(db_path, table, int(span[0]), int(span[1]), max_exact_layer_rows)
         grid = _aggregate(db_path, table, columns, int(span[0]), int(span[1]), max_heatmap_columns,

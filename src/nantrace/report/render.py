@@ -39,13 +39,17 @@ MAX_TABLE_ROWS = 2000
 """Rows of the incident table at most; the count of the rest is stated on the page."""
 
 
-def render_report(run_dir: str | os.PathLike[str], output: str | os.PathLike[str] | None = None) -> Path:
+def render_report(run_dir: str | os.PathLike[str], output: str | os.PathLike[str] | None = None, *,
+                  max_exact_layer_rows: int | None = None) -> Path:
     """Write the HTML report of ``run_dir`` to ``output`` (default ``RUN_DIR/report.html``); return its path.
 
-    Raises ``ValueError`` if ``run_dir`` does not exist or holds no readable ``nantrace.db``.
+    ``max_exact_layer_rows``: per-layer tables with more rows are read at every k-th step
+    (default :data:`nantrace.report.data.MAX_EXACT_LAYER_ROWS`). Raises ``ValueError`` if
+    ``run_dir`` does not exist or holds no readable ``nantrace.db``.
     """
     run_path = resolve_run_dir(run_dir)
-    data = load_report_data(run_path)
+    options = {} if max_exact_layer_rows is None else {"max_exact_layer_rows": max_exact_layer_rows}
+    data = load_report_data(run_path, **options)
     target = Path(output) if output is not None else data.run_dir / REPORT_NAME
     if target.is_dir():
         target = target / REPORT_NAME
@@ -110,7 +114,8 @@ def _facts(data: ReportData) -> list[tuple[str, str]]:
     kinds = Counter(i.kind for i in data.incidents)
     facts: list[tuple[str, str]] = [
         ("model", t.esc(meta.get("model_class"))),
-        ("parameters", f"{params:,} ({_short(params)})" if isinstance(params, int) else t.esc(params)),
+        ("parameters", (f"{params:,} ({_short(params)})" if params >= 1000 else str(params))
+         if isinstance(params, int) else t.esc(params)),
         ("optimizer", t.esc(meta.get("optimizer_class"))),
         ("policy (on_anomaly)", t.esc(meta.get("policy"))),
         ("GradScaler", "yes" if meta.get("scaler") else "no"),

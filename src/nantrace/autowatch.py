@@ -1,0 +1,283 @@
+"""Zero-code mode: watch every model/optimizer pair that unmodified code creates.
+
+:class:`AutoWatch` installs process-wide hooks (module forward pre/post hooks and an
+optimizer step pre-hook) and a class-level wrapper of ``torch.amp.GradScaler.step``. It
+remembers the *top-level* module calls (a module called while no other module is
+running: the model, the loss module). At an optimizer's first step it finds the root
+module that owns the optimizer's parameters and opens ``nantrace.watch(model,
+optimizer)`` for the pair on the spot; that guard's own step pre-hook still runs for
+this first step (torch reads the optimizer's hooks after the global ones), so the first
+step is checked too. What the first step cannot have is the capture of its forward and
+loss (they ran before the guard existed): an incident at the very first step is detected
+and blocked, but not localised. Steps through a GradScaler (``scaler.step(optimizer)``)
+give the guard the scaler as well.
+
+:func:`run_script` runs a script as ``python SCRIPT ARGS...`` would, under an AutoWatch;
+``nantrace run`` (``nantrace.cli.run``) is the command-line glue around it.
+
+Usage::
+
+    from nantrace.autowatch import AutoWatch
+    with AutoWatch(run_dir="runs/auto") as auto:
+        runpy.run_path("train.py", run_name="__main__")
+    auto.incidents      # [Incident(step=3, kind='nonfinite_loss', op='aten.div.Tensor', module='pool', ...)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import runpy
+import sys
+import threading
+import time
+import traceback
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import Config
+from .integrations import GuardSession, check_watch_kwargs
+
+__all__ = ["AutoWatch", "ScriptResult", "default_run_dir", "run_script"]
+
+
+class AutoWatch:
+    """Watches every (model, optimizer[, GradScaler]) pair that code run inside it steps.
+
+    ``run_dir``: the first pair writes there, later pairs to ``RUN_DIR/<n>-<ModelClass>``
+    (``None``: nothing is written). ``on_anomaly`` and ``config`` are those of
+    :func:`nantrace.watch`. ``close()`` (or leaving the ``with`` block) closes every guard
+    and removes every global hook.
+    """
+
+    def __init__(self, *, run_dir: str | os.PathLike[str] | None = None, on_anomaly: str = "skip",
+                 config: Config | None = None) -> None:
+        self.watch_kwargs = check_watch_kwargs(dict(on_anomaly=on_anomaly, config=config, run_dir=run_dir), "AutoWatch")
+        self.run_dir = os.fspath(run_dir) if run_dir is not None else None
+        self.sessions: list[GuardSession] = []
+        self.notes: list[str] = []
+        self.closed = False
+        self._handles: list[Any] = []
+        self._top_level: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+        self._order = itertools.count()
+        self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._local = threading.local()
+        self._scaler_step: Any = None
+        self._scaler_wrapper: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "AutoWatch":
+        """Install the global hooks (done by ``with``)."""
+        if self.closed:
+            raise RuntimeError("AutoWatch: a closed AutoWatch cannot be started again; create a new one")
+        if self._handles:
+            return self
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._handles = [
+            register_module_forward_pre_hook(self._forward_pre),
+            register_module_forward_hook(self._forward_post, always_call=True),
+            register_optimizer_step_pre_hook(self._optimizer_pre),
+        ]
+        self._patch_scaler_class()
+        return self
+
+    def close(self) -> None:
+        """Close every guard and remove every global hook; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        scaler_cls = torch.amp.GradScaler
+        if self._scaler_wrapper is not None and scaler_cls.__dict__.get("step") is self._scaler_wrapper:
+            scaler_cls.step = self._scaler_step  # type: ignore[method-assign]
+        self._scaler_step = self._scaler_wrapper = None
+        for session in self.sessions:
+            session.close()
+
+    def __enter__(self) -> "AutoWatch":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def guards(self) -> list[Any]:
+        """The guards opened so far, in the order their optimizers first stepped."""
+        return [s.guard for s in self.sessions]
+
+    @property
+    def incidents(self) -> list[Any]:
+        """Every guard's incidents, in the order they happened."""
+        return sorted((i for g in self.guards for i in g.incidents), key=lambda i: i.time)
+
+    # ------------------------------------------------------------------ global hooks
+    def _forward_pre(self, module: nn.Module, args: Any) -> None:
+        depth = getattr(self._local, "depth", 0)
+        if depth == 0:
+            self._top_level[module] = next(self._order)
+        self._local.depth = depth + 1
+
+    def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._local.depth = max(getattr(self._local, "depth", 1) - 1, 0)
+
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.closed and optimizer not in self._seen:
+            self._attach(optimizer, None)
+
+    def _patch_scaler_class(self) -> None:
+        scaler_cls = torch.amp.GradScaler
+        original = scaler_cls.step
+        auto_ref = weakref.ref(self)
+
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            auto = auto_ref()
+            if auto is None or auto.closed or optimizer in auto._seen or not isinstance(optimizer, torch.optim.Optimizer):
+                return original(scaler, optimizer, *args, **kwargs)
+            auto._attach(optimizer, scaler)
+            if getattr(scaler.__dict__.get("step"), "_nantrace_guard", False):
+                return scaler.step(optimizer, *args, **kwargs)  # the guard's own wrapper on the instance
+            return original(scaler, optimizer, *args, **kwargs)
+
+        step._nantrace_autowatch = True  # type: ignore[attr-defined]
+        self._scaler_step, self._scaler_wrapper = original, step
+        scaler_cls.step = step  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ pairing
+    def _attach(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+        """Open a guard for ``optimizer`` and the model that owns its parameters; never raises
+        into the script (a failure to watch is noted and the script goes on)."""
+        self._seen.add(optimizer)
+        name = type(optimizer).__name__
+        if _already_guarded(optimizer):
+            self.notes.append(f"{name} is already watched by the script's own nantrace.watch")
+            return
+        model = self.owner(optimizer)
+        if model is None:
+            self._note(f"a {name} optimizer steps parameters of no model the script called; it is not watched")
+            return
+        kwargs = dict(self.watch_kwargs)
+        if self.run_dir is not None and self.sessions:
+            kwargs["run_dir"] = os.path.join(self.run_dir, f"{len(self.sessions) + 1}-{type(model).__name__}")
+        try:
+            self.sessions.append(GuardSession(model, optimizer, scaler, **kwargs))
+        except Exception as exc:  # our failure must not stop the user's training
+            self._note(f"could not watch {type(model).__name__} with {name}: {type(exc).__name__}: {exc}")
+
+    def owner(self, optimizer: torch.optim.Optimizer) -> nn.Module | None:
+        """The top-level module called so far that holds most of ``optimizer``'s parameters
+        (ties: the one with fewer parameters, then the one called last); ``None`` if none does."""
+        wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        best: tuple[int, int, int] | None = None
+        found: nn.Module | None = None
+        for module, order in list(self._top_level.items()):
+            params = list(module.parameters())
+            covered = sum(1 for p in params if id(p) in wanted)
+            if covered == 0:
+                continue
+            key = (covered, -len(params), order)
+            if best is None or key > best:
+                best, found = key, module
+        return found
+
+    def _note(self, message: str) -> None:
+        from .console import CONSOLE
+
+        self.notes.append(message)
+        CONSOLE.print(f"[yellow]nantrace:[/yellow] {message}", soft_wrap=True, markup=True, highlight=False)
+
+
+def _already_guarded(optimizer: torch.optim.Optimizer) -> bool:
+    from .guard import Guard
+
+    hooks = getattr(optimizer, "_optimizer_step_pre_hooks", {})
+    return any(isinstance(getattr(h, "__self__", None), Guard) for h in hooks.values())
+
+
+# ---------------------------------------------------------------------- scripts
+@dataclasses.dataclass
+class ScriptResult:
+    """How a script run under :func:`run_script` ended."""
+
+    exit_code: int
+    """What ``python SCRIPT`` would have exited with: the ``SystemExit`` code, 1 after an
+    uncaught exception, 130 after Ctrl-C, else 0."""
+    watch: AutoWatch
+    """The AutoWatch it ran under (closed): guards, incidents, notes."""
+    error: BaseException | None = None
+    """The uncaught exception, if any (not ``SystemExit``)."""
+    message: str | None = None
+    """What Python prints for a ``SystemExit`` with a non-integer code (``sys.exit("msg")``)."""
+    traceback: str | None = None
+    """The uncaught exception's traceback, starting at the script's own frames."""
+
+
+def default_run_dir(script: str | os.PathLike[str], root: str | os.PathLike[str] = "nantrace-runs") -> Path:
+    """``nantrace-runs/<script-stem>-<YYYYmmdd-HHMMSS>`` (with ``-2``, ``-3``... if taken)."""
+    base = Path(root) / f"{Path(script).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def run_script(script: str | os.PathLike[str], args: list[str] | tuple[str, ...] = (), *,
+               run_dir: str | os.PathLike[str] | None = None, on_anomaly: str = "skip",
+               config: Config | None = None) -> ScriptResult:
+    """Run ``script`` as ``python SCRIPT ARGS...`` would (``__name__ == "__main__"``,
+    ``sys.argv``, ``sys.path[0]``) with every model/optimizer pair it steps watched.
+
+    Never raises for what the script does: the outcome, exit code included, is returned.
+    ``sys.argv`` and ``sys.path`` are restored and every hook is removed afterwards.
+    """
+    path = os.path.abspath(os.fspath(script))
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [os.fspath(script), *args]
+    sys.path.insert(0, os.path.dirname(path))
+    auto = AutoWatch(run_dir=run_dir, on_anomaly=on_anomaly, config=config)
+    result = ScriptResult(exit_code=0, watch=auto)
+    try:
+        with auto:
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        result.exit_code, result.message = _exit_status(exc.code)
+    except KeyboardInterrupt as exc:
+        result.exit_code, result.error = 130, exc
+        result.traceback = _script_traceback(exc, path)
+    except BaseException as exc:  # the script's uncaught exception: report it as Python would
+        result.exit_code, result.error = 1, exc
+        result.traceback = _script_traceback(exc, path)
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        auto.close()
+    return result
+
+
+def _exit_status(code: Any) -> tuple[int, str | None]:
+    if code is None:
+        return 0, None
+    if isinstance(code, bool) or not isinstance(code, int):
+        return 1, str(code)
+    return code & 0xFF, None  # what the OS keeps of it, as for `python SCRIPT`
+
+
+def _script_traceback(exc: BaseException, script: str) -> str:
+    """The traceback as Python prints it, without the frames of nantrace and runpy above the script."""
+    tb = exc.__traceback__
+    first = tb
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename) == script:
+            first = tb
+            break
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, first))

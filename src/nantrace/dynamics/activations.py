@@ -1,0 +1,162 @@
+"""Per-module activation statistics on sampled steps: abs-max of the finite values and the
+number of non-finite values of every module's output.
+
+Forward hooks exist only for a sampled step: they are installed at the end of the step
+before it (or at attach for step 0) and removed when the sampled step finishes, so other
+steps run with no hook at all. Each hook reduces its module's output on the device to two
+numbers; they are stacked once at the end of the step and read back at the next step
+without a synchronisation of their own. Rows go to the run store's ``activation_stats``
+table (``meta.activation_names`` labels them).
+
+A module called several times in a step (shared weights, gradient accumulation) keeps the
+largest abs-max and the sum of non-finite counts. Forward passes without gradient (an
+evaluation inside the loop) and nantrace's own replays are not counted. A
+``torch.compile``d model is not hooked: hooks inside a compiled graph would recompile it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..capture import floating_tensors
+from ._common import SafeMonitor, is_sampled
+from ._readback import DeferredRead
+from .base import Signal, StepContext
+
+if TYPE_CHECKING:
+    from ..guard import Guard
+
+__all__ = ["ActivationFigures", "ActivationMonitor", "output_stats"]
+
+
+def output_stats(outputs: list[torch.Tensor]) -> torch.Tensor | None:
+    """``[abs-max of the finite values, number of non-finite values]`` of some tensors, as a float64 device
+    vector (float64 keeps counts exact); ``None`` when there is nothing to measure."""
+    parts = []
+    for t in outputs:
+        if t.numel() == 0:
+            continue
+        t = t.detach()
+        finite = torch.isfinite(t)
+        absmax = torch.where(finite, t.abs(), 0).amax().to(torch.float64)
+        nonfinite = (t.numel() - finite.sum()).to(torch.float64)
+        parts.append(torch.stack([absmax, nonfinite.to(absmax.device)]))
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    device = parts[0].device
+    stacked = torch.stack([p.to(device) for p in parts])
+    return torch.stack([stacked[:, 0].amax(), stacked[:, 1].sum()])
+
+
+@dataclasses.dataclass
+class ActivationFigures:
+    """One sampled step's figures: module index → (abs-max of finite values, non-finite count)."""
+
+    step: int
+    rows: list[tuple[int, float | None, int]]
+
+
+class ActivationMonitor(SafeMonitor):
+    """Abs-max and non-finite counts of every module's output, every ``every`` steps."""
+
+    name = "activation statistics"
+
+    def __init__(self, *, every: int) -> None:
+        super().__init__()
+        self.every = every
+        self.names: list[str] = []
+        self.latest: ActivationFigures | None = None
+        self._modules: list[nn.Module] = []
+        self._handles: list[Any] = []
+        self._stats: dict[int, list[torch.Tensor]] = {}
+        self._pending: tuple[int, list[int], DeferredRead] | None = None
+
+    def _attach(self, guard: "Guard") -> None:
+        if guard.model is not guard.root and hasattr(guard.model, "_orig_mod"):
+            warnings.warn("nantrace: activation statistics are off for a torch.compile'd model (hooks would recompile it)",
+                          RuntimeWarning, stacklevel=4)
+            self.active = False
+            return
+        named = list(guard.root.named_modules())
+        self.names = [n for n, _ in named]
+        self._modules = [m for _, m in named]
+        if guard.store is not None:
+            guard.store.set_meta("activation_names", self.names)
+        if is_sampled(guard.step, self.every):
+            self._install()
+
+    def _install(self) -> None:
+        if self._handles:
+            return
+        self._stats = {}
+        for i, module in enumerate(self._modules):
+            self._handles.append(module.register_forward_hook(self._make_hook(i)))
+
+    def _make_hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            guard = self._guard_ref() if self._guard_ref is not None else None
+            if guard is None or getattr(guard, "_replaying", False):
+                return
+            with torch.no_grad():
+                stats = output_stats(floating_tensors(output))
+            if stats is not None:
+                self._stats.setdefault(index, []).append(stats)
+
+        return hook
+
+    def _uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _on_step(self, ctx: StepContext) -> list[Signal]:
+        if self._pending is not None:
+            self._finish(*self._pending)
+            self._pending = None
+        if self._handles:
+            self._uninstall()
+            stats, self._stats = self._stats, {}
+            if stats:
+                index = sorted(stats)
+                device = stats[index[0]][0].device
+                per_module = []
+                for i in index:
+                    calls = torch.stack([s.to(device) for s in stats[i]])
+                    per_module.append(torch.stack([calls[:, 0].amax(), calls[:, 1].sum()]))
+                self._pending = (ctx.step, index, DeferredRead(torch.stack(per_module)))
+        if is_sampled(ctx.step + 1, self.every):
+            self._install()
+        return []
+
+    def _finish(self, step: int, index: list[int], read: DeferredRead) -> None:
+        values = read.get()
+        rows: list[tuple[int, float | None, int]] = []
+        for k, i in enumerate(index):
+            absmax, nonfinite = values[2 * k], values[2 * k + 1]
+            rows.append((i, absmax, int(nonfinite)))
+        self.latest = ActivationFigures(step, rows)
+        store = self.guard.store
+        if store is not None:
+            store.log_activation_stats(step, rows)
+
+    def _detach(self) -> None:
+        self._uninstall()
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._finish(*pending)
+
+    def summary(self) -> dict[str, Any]:
+        if self.latest is None:
+            return {}
+        return {"step": self.latest.step,
+                "absmax": {self.names[i]: a for i, a, _ in self.latest.rows},
+                "nonfinite": {self.names[i]: n for i, _, n in self.latest.rows if n}}

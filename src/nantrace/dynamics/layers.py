@@ -1,0 +1,198 @@
+"""Per-layer statistics: gradient norm, parameter norm and update/parameter ratio.
+
+The gradient and parameter norms of each layer are combined on the host from the
+per-tensor norms that the guard's one fused check already read (``ctx.health``): nothing
+is recomputed and nothing is synchronised. The update/parameter ratio ‖Δθ‖/‖θ‖ needs the
+parameters before the update, so on sampled steps (``update_stats_every``) they are
+copied just before the update (one fused copy); after the update, the norms of the
+difference are reduced on the device (foreach kernels) and read back at the next step
+without a synchronisation of their own (:class:`~nantrace.dynamics._readback.DeferredRead`).
+
+Rows go to the run store's ``layer_stats`` table (``meta.layer_names`` labels them); the
+figures feed the early warnings (:mod:`nantrace.dynamics.early_warnings`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ._common import SafeMonitor, is_sampled
+from ._layers import LayerIndex
+from ._readback import DeferredRead, stack_on
+from .base import Signal, StepContext
+from .early_warnings import LayerWarnings, WarningSettings
+
+if TYPE_CHECKING:
+    from ..guard import Guard
+
+__all__ = ["LayerFigures", "LayerStatsMonitor", "update_norms"]
+
+
+@dataclasses.dataclass
+class LayerFigures:
+    """One step's per-layer figures (arrays aligned with ``LayerIndex.names``; NaN = absent or non-finite)."""
+
+    step: int
+    grad_norm: np.ndarray
+    param_norm: np.ndarray
+    grad_present: np.ndarray
+    param_present: np.ndarray
+    update_ratio: np.ndarray | None = None
+
+    def rows(self) -> list[tuple[int, float | None, float | None, float | None]]:
+        """Run-store rows ``(layer, grad_norm, param_norm, update_ratio)``: absent → NULL, NaN kept."""
+        out = []
+        for i in range(len(self.grad_norm)):
+            g = float(self.grad_norm[i]) if self.grad_present[i] else None
+            p = float(self.param_norm[i]) if self.param_present[i] else None
+            u = None
+            if self.update_ratio is not None and not (math.isnan(self.update_ratio[i]) and self.param_norm[i] == 0):
+                u = float(self.update_ratio[i])
+            if g is None and p is None and u is None:
+                continue
+            out.append((i, g, p, u))
+        return out
+
+
+@dataclasses.dataclass
+class _PendingUpdate:
+    figures: LayerFigures
+    read: DeferredRead
+    has_param_norms: bool
+    n: int
+
+
+def update_norms(before: list[torch.Tensor], after: list[torch.Tensor]) -> list[torch.Tensor]:
+    """‖after_i − before_i‖ per tensor, as float32 0-dim tensors; overwrites ``before`` (foreach, no sync)."""
+    try:
+        torch._foreach_sub_(before, after)
+        return list(torch._foreach_norm(before, 2, dtype=torch.float32))
+    except (RuntimeError, TypeError):
+        out = []
+        for b, a in zip(before, after):
+            b.sub_(a)
+            out.append(torch.linalg.vector_norm(b, dtype=torch.float32))
+        return out
+
+
+def _copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    try:
+        return list(torch._foreach_mul(tensors, 1.0))
+    except (RuntimeError, TypeError):
+        return [t.clone() for t in tensors]
+
+
+class LayerStatsMonitor(SafeMonitor):
+    """Per-layer gradient/parameter norms every ``every`` steps, update ratios every ``update_every``.
+
+    ``latest`` holds the last step's :class:`LayerFigures` and ``latest_update`` the last
+    figures with an update ratio (one step late), e.g. for TensorBoard.
+    """
+
+    name = "layer statistics"
+
+    def __init__(self, *, every: int, update_every: int, warnings: WarningSettings | None) -> None:
+        super().__init__()
+        self.every = every
+        self.update_every = update_every
+        self.settings = warnings
+        self.index = LayerIndex([])
+        self.warnings: LayerWarnings | None = None
+        self.latest: LayerFigures | None = None
+        self.latest_update: LayerFigures | None = None
+        self._params: list[torch.Tensor] = []
+        self._before: list[torch.Tensor] | None = None
+        self._pending: _PendingUpdate | None = None
+
+    def _attach(self, guard: "Guard") -> None:
+        self._params = guard._params
+        self.index = LayerIndex(guard._param_names)
+        self.index.set_numel([p.numel() for p in self._params])
+        if self.settings is not None:
+            self.warnings = LayerWarnings(self.index.names, self.settings)
+        if guard.store is not None:
+            guard.store.set_meta("layer_names", self.index.names)
+
+    def _before_update(self, step: int, params: list[torch.Tensor]) -> None:
+        self._before = None
+        if is_sampled(step, self.update_every) and params:
+            self._before = _copy([p.detach() for p in params])
+
+    def _on_step(self, ctx: StepContext) -> list[Signal]:
+        signals: list[Signal] = []
+        if self._pending is not None:
+            signals += self._finish_update(self._pending)
+            self._pending = None
+        before, self._before = self._before, None
+        update_now = before is not None and ctx.applied
+        if not (is_sampled(ctx.step, self.every) or update_now):
+            return signals
+        figures = self._figures(ctx)
+        self.latest = figures
+        if update_now:
+            assert before is not None
+            self._pending = self._start_update(figures, before)
+        else:
+            self._write(figures)
+        if (self.warnings is not None and is_sampled(ctx.step, self.every) and ctx.applied
+                and ctx.health.grads_finite and ctx.health.loss_finite):
+            signals += self.warnings.observe_norms(ctx.step, figures.grad_norm, figures.param_norm)
+        return signals
+
+    def _figures(self, ctx: StepContext) -> LayerFigures:
+        health = ctx.health
+        grad = self.index.combine(health.grad_norms, ctx.grad_index)
+        grad_present = self.index.present(ctx.grad_index)
+        if len(health.param_norms) == len(self.index.layer_of):
+            param = self.index.combine(health.param_norms)
+            param_present = np.ones(len(self.index), dtype=bool)
+        else:  # parameters not checked (Config.check_params=False): no free parameter norms
+            param = np.full(len(self.index), np.nan)
+            param_present = np.zeros(len(self.index), dtype=bool)
+        return LayerFigures(ctx.step, grad, param, grad_present, param_present)
+
+    def _start_update(self, figures: LayerFigures, before: list[torch.Tensor]) -> _PendingUpdate:
+        params = [p.detach() for p in self._params]
+        extra = [] if figures.param_present.all() else list(torch._foreach_norm(params, 2, dtype=torch.float32))
+        diff = update_norms(before, params)
+        del before
+        device = params[0].device
+        return _PendingUpdate(figures, DeferredRead(stack_on(diff + extra, device)), bool(extra), len(params))
+
+    def _finish_update(self, pending: _PendingUpdate) -> list[Signal]:
+        values = np.asarray(pending.read.get(), dtype=np.float64)
+        figures = pending.figures
+        delta = self.index.combine(values[: pending.n])
+        if pending.has_param_norms:
+            figures.param_norm = self.index.combine(values[pending.n:])
+            figures.param_present = np.ones(len(self.index), dtype=bool)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            figures.update_ratio = delta / figures.param_norm
+        self.latest_update = figures
+        self._write(figures)
+        if self.warnings is not None:
+            return self.warnings.observe_update_ratio(figures.step, figures.update_ratio)
+        return []
+
+    def _write(self, figures: LayerFigures) -> None:
+        store = self.guard.store
+        if store is not None:
+            store.log_layer_stats(figures.step, figures.rows())
+
+    def _detach(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._finish_update(pending)  # signals after the last step are not reported
+        self._before = None
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layers": list(self.index.names)}
+        if self.latest_update is not None and self.latest_update.update_ratio is not None:
+            out["update_ratio_step"] = self.latest_update.step
+            out["update_ratio"] = {n: float(r) for n, r in zip(self.index.names, self.latest_update.update_ratio)}
+        return out

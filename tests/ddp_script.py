@@ -1,0 +1,64 @@
+"""Run by tests/test_distributed.py under torchrun (2 processes, gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nantrace
+
+
+def main(scenario: str, policy: str, out_dir: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    guard = nantrace.watch(ddp, opt, run_dir=f"{out_dir}/run", on_anomaly=policy,
+                           config=nantrace.Config(print_incidents=False))
+    gen = torch.Generator().manual_seed(100 + rank)
+    w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+    steps = 60 if scenario == "loss_spike_rank1" else 8
+    raised = None
+    for step in range(steps):
+        x = torch.randn(16, 8, generator=gen)
+        y = x @ w + 0.1 * torch.randn(16, 1, generator=gen)
+        if rank == 1 and step == 3 and scenario == "nan_input_rank1":
+            x[2, 5] = float("nan")
+        if rank == 1 and step == 45 and scenario == "loss_spike_rank1":
+            y = y * 100
+        opt.zero_grad()
+        F.mse_loss(ddp(x), y).backward()
+        try:
+            opt.step()
+        except nantrace.NonFiniteError as exc:
+            raised = exc.incident.kind
+            break
+    guard.close()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    result = {
+        "rank": rank,
+        "incidents": [[i.step, i.kind, i.rank, i.action, i.cause, i.op, i.module, i.phase] for i in guard.incidents],
+        "replicas_equal": bool(torch.equal(gathered[0], gathered[1])),
+        "finite": bool(torch.isfinite(flat).all()),
+        "steps": guard.step,
+        "raised": raised,
+        "local_grad_check": guard.checks_local_grads,
+        "run_dir": guard.run_dir,
+    }
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,61 @@
+"""Data-parallel training under torchrun: two gloo processes on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("ddp_script.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(tmp_path: Path, scenario: str, policy: str = "skip") -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           str(SCRIPT), scenario, policy, str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)  # a hang fails here
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_nan_on_rank1_only_is_attributed_to_rank1_and_every_rank_skips(tmp_path):
+    results = _torchrun(tmp_path, "nan_input_rank1")
+    for res in results:
+        assert res["local_grad_check"] is True
+        assert res["replicas_equal"] and res["finite"] and res["steps"] == 8
+        [incident] = res["incidents"]
+        step, kind, rank, action = incident[:4]
+        assert (step, rank, action) == (3, 1, "skipped")
+    # rank 1 saw its own bad batch; rank 0 only received NaN gradients through the all-reduce
+    assert results[1]["incidents"][0][1] == "nonfinite_input" and results[1]["incidents"][0][4] == "nonfinite_input"
+    assert results[1]["incidents"][0][7] == "data"
+    assert results[0]["incidents"][0][1] == "nonfinite_grad"
+    assert results[0]["run_dir"].endswith("run") and results[1]["run_dir"].endswith(os.path.join("run", "rank1"))
+    assert (tmp_path / "run" / "nantrace.db").is_file() and (tmp_path / "run" / "rank1" / "nantrace.db").is_file()
+
+
+def test_a_local_loss_spike_on_one_rank_makes_every_rank_skip(tmp_path):
+    results = _torchrun(tmp_path, "loss_spike_rank1")
+    spikes = {r["rank"]: [i for i in r["incidents"] if i[0] == 45] for r in results}
+    assert [i[:4] for i in spikes[1]] == [[45, "loss_spike", 1, "skipped"]]
+    # rank 0 sees the spike's gradients after the all-reduce: an explosion, traced to rank 1
+    assert [i[:4] for i in spikes[0]] == [[45, "grad_explosion", 1, "skipped"]]
+    assert all(r["replicas_equal"] for r in results)
+
+
+def test_raise_policy_raises_on_every_rank_without_hanging(tmp_path):
+    results = _torchrun(tmp_path, "nan_input_rank1", policy="raise")
+    assert [r["raised"] for r in results] == ["nonfinite_grad", "nonfinite_input"]
+    assert all(r["replicas_equal"] for r in results)
