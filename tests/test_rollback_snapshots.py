@@ -194,6 +194,32 @@ def test_restore_twice_from_the_same_snapshot(where: str, tmp_path: Path) -> Non
     mgr.close()
 
 
+@pytest.mark.parametrize("where", WHERE)
+def test_optimizer_state_that_appeared_after_the_snapshot(where: str, tmp_path: Path) -> None:
+    """A parameter first trained after the snapshot: the optimizer's state layout changed."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    model = nn.ModuleDict({"a": a, "b": b})
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    mgr = SnapshotManager(model, opt, **disk_kwargs(where, tmp_path))
+    x = torch.randn(3, 4)
+
+    def step(both: bool) -> None:
+        opt.zero_grad(set_to_none=True)
+        (a(x) + (b(x) if both else 0)).square().sum().backward()
+        opt.step()
+
+    step(both=False)  # b has no gradient: no Adam state for it yet
+    mgr.snapshot(1)
+    expected = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(opt.state_dict())}
+    for _ in range(2):  # the second round checks that the snapshot was not aliased by the first
+        step(both=True)
+        step(both=True)
+        mgr.restore()
+        assert_same(expected, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    mgr.close()
+
+
 def test_dtype_and_tied_weights_are_kept_in_place() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)).double()

@@ -85,6 +85,10 @@ class Config:
     max_bundles: int = 10
     """At most this many bundles per run (the first ones are the informative ones)."""
 
+    precision_fallback_after: int = 3
+    """After this many ``precision_overflow`` incidents in one module, run it in float32 outside
+    autocast for the rest of the run (0 = never)."""
+
     model_factory: str | None = None
     """``"module:callable"`` that rebuilds the model in a fresh process for ``nantrace replay``
     (default: the model's class, when it is importable and takes no arguments)."""
@@ -146,6 +150,7 @@ class Config:
         _positive_int(self, "scaler_max_skips", minimum=1)
         _positive_int(self, "flight_recorder", minimum=0)
         _positive_int(self, "max_bundles", minimum=0)
+        _positive_int(self, "precision_fallback_after", minimum=0)
         if self.spike_warmup > self.spike_window:
             raise ValueError(
                 f"Config.spike_warmup ({self.spike_warmup}) must not exceed "

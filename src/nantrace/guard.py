@@ -53,6 +53,7 @@ from .distributed import Agreement, agree, install_local_grad_check, world
 from .errors import NonFiniteError
 from .incident import Incident
 from .response.policies import POLICIES, action_for
+from .response.precision import PrecisionFallback
 from .storage.runstore import RunStore
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -130,6 +131,7 @@ class Guard:
         self._data_inbox: deque[Any] = deque()
         self._last_row: dict[str, Any] | None = None
         self.monitors: list[Monitor] = []
+        self.precision = PrecisionFallback(self.root, config.precision_fallback_after)
         self._owner_thread = threading.get_ident()
         self._recorder: deque[dict[str, Any]] = deque(maxlen=config.flight_recorder)
         self._loss_spikes = RobustSpikeDetector(
@@ -495,6 +497,11 @@ class Guard:
             from .localisation.localiser import localise_incident
 
             localise_incident(self, incident, self._capture)
+        if incident.cause == "precision_overflow" and incident.module is not None:
+            note = self.precision.record(incident.module)
+            if note:
+                incident.details["precision_fallback"] = note
+                incident.fix = f"{incident.fix} (Done: {note}.)"
         if self.policy == "pause" or (self.config.save_bundle and self.store is not None and incident.kind.startswith("nonfinite")):
             self._write_bundle(incident)
         self.incidents.append(incident)
@@ -662,6 +669,7 @@ class Guard:
         self.closed = True
         for monitor in self.monitors:
             monitor.detach()
+        self.precision.close()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -30,7 +30,7 @@ CONTEXT_SETTINGS: dict[str, Any] = {
 
 def run_command(
     ctx: typer.Context,
-    script: Path = typer.Argument(..., metavar="SCRIPT", help="The training script to run, unmodified; ARGS after it go to the script."),
+    script: Path = typer.Argument(..., help="The training script to run, unmodified; ARGS after it go to the script."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run directory to write (default: nantrace-runs/<script>-<YYYYmmdd-HHMMSS>)."),
     on_anomaly: str = typer.Option("skip", "--on-anomaly", help="skip (drop the bad update, go on), raise or pause (stop with the diagnosis)."),
 ) -> None:
@@ -58,7 +58,8 @@ def run_command(
         sys.stderr.write(result.message + "\n")
     auto = result.watch
     if not auto.sessions:
-        CONSOLE.print("nantrace run: the script stepped no optimizer over a model it called; nothing was watched.")
+        CONSOLE.print("nantrace run: the script stepped no optimizer over a model it called; nothing was watched.",
+                      soft_wrap=True, highlight=False)
     else:
         pairs = ", ".join(f"{type(g.root).__name__} with {type(g.optimizer).__name__}" for g in auto.guards)
         skipped = sum(1 for i in auto.incidents if i.action == "skipped")

@@ -176,9 +176,8 @@ def load_report_data(
         raw = conn.execute(
             "SELECT step, time, loss, grad_norm, param_norm, lr, scale, skipped, action FROM steps ORDER BY step"
         ).fetchall()
-        # min/max of the primary key's first column are index look-ups; count(*) would scan the table
-        layer_span = conn.execute("SELECT min(step), max(step) FROM layer_stats").fetchone()
-        act_span = conn.execute("SELECT min(step), max(step) FROM activation_stats").fetchone()
+        layer_span = _step_span(conn, "layer_stats")
+        act_span = _step_span(conn, "activation_stats")
     steps = np.fromiter((r[0] for r in raw), dtype=np.int64, count=len(raw))
     times = [r[1] for r in raw if isinstance(r[1], (int, float))]
     incident_steps = np.array(sorted({i.step for i in incidents}), dtype=np.int64)
@@ -266,6 +265,13 @@ def load_report_data(
         layer_rows=layer_rows,
         downsampled=buckets.reduced,
     )
+
+
+def _step_span(conn: sqlite3.Connection, table: str) -> tuple[int | None, int | None]:
+    """First and last step of ``table``: two index look-ups (SQLite only optimises a lone min() or max())."""
+    first = conn.execute(f"SELECT min(step) FROM {table}").fetchone()[0]
+    last = conn.execute(f"SELECT max(step) FROM {table}").fetchone()[0]
+    return first, last
 
 
 def _connect(db_path: Path) -> sqlite3.Connection:

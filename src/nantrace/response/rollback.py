@@ -200,7 +200,7 @@ def _rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
         "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        "numpy": None,
+        "numpy": _numpy_to_plain(np.random.get_state()) if np is not None else None,
     }
 
 

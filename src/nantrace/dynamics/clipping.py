@@ -1,0 +1,331 @@
+"""Gradient clipping efficacy: how often ``clip_grad_norm_`` fires, the distribution of the
+pre-clip norms, and a ``max_norm`` suggested by the run's own healthy norms.
+
+While a guard is open, ``torch.nn.utils.clip_grad_norm_`` (and ``clip_grads_with_norm_``,
+the two-call form) are wrapped process-wide by one reference-counted interceptor,
+restored when the last guard closes. ``clip_grad_norm_`` returns the total norm *before*
+clipping, so the wrapper gets it for free: a device scalar, kept as is and read in batches
+(every ``flush_every`` steps, without a synchronisation of its own). A call made with a
+name imported before the guard opened (``from torch.nn.utils import clip_grad_norm_`` at
+module import) cannot be seen.
+
+Reported as figures (:meth:`ClipMonitor.summary`, run-store meta ``clipping``) and as a
+``clipping`` signal when
+
+- clipping fires on almost every step (>= 95% of the last 200): ``max_norm`` is too low and
+  every update is rescaled (the effective learning rate is ``lr * max_norm / ‖g‖``);
+- it never fires over a long run (2000 steps) while every norm stays 10× below ``max_norm``:
+  it would not catch a spike either;
+- it is called on gradients still scaled by a GradScaler (``scaler.unscale_`` missing).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ._common import SafeMonitor
+from ._readback import DeferredRead, stack_on
+from .base import Signal, StepContext
+
+if TYPE_CHECKING:
+    from ..guard import Guard
+
+__all__ = ["CLIP_INTERCEPTOR", "ClipMonitor", "suggest_max_norm"]
+
+ClipListener = Callable[[list[torch.Tensor], float, float, torch.Tensor], None]
+
+_ALWAYS_WINDOW = 200
+_ALWAYS_FRACTION = 0.95
+_NEVER_STEPS = 2000
+_NEVER_MARGIN = 10.0
+_SUGGEST_QUANTILE = 0.95
+_KEEP = 8192
+"""Pre-clip norms kept for the distribution (the most recent ones)."""
+
+
+def suggest_max_norm(pre_clip_norms: Any, quantile: float = _SUGGEST_QUANTILE) -> float | None:
+    """A ``max_norm`` that clips only the largest ``1 - quantile`` of a run's finite pre-clip norms."""
+    values = np.asarray(pre_clip_norms, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    if len(values) == 0:
+        return None
+    return float(np.quantile(values, quantile))
+
+
+class _ClipInterceptor:
+    """Reference-counted process-wide wrapper of the clipping functions of ``torch.nn.utils``."""
+
+    _TARGETS = (("torch.nn.utils", "clip_grad_norm_"), ("torch.nn.utils.clip_grad", "clip_grad_norm_"),
+                ("torch.nn.utils", "clip_grads_with_norm_"))
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._listeners: dict[int, ClipListener] = {}
+        self._originals: dict[tuple[str, str], Callable[..., Any]] = {}
+        self._wrappers: dict[tuple[str, str], Callable[..., Any]] = {}
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._originals)
+
+    def add(self, key: int, listener: ClipListener) -> None:
+        with self._lock:
+            self._listeners[key] = listener
+            if not self._originals:
+                self._patch()
+
+    def remove(self, key: int) -> None:
+        with self._lock:
+            self._listeners.pop(key, None)
+            if not self._listeners and self._originals:
+                self._unpatch()
+
+    def _patch(self) -> None:
+        import importlib
+
+        for target in self._TARGETS:
+            module = importlib.import_module(target[0])
+            original = getattr(module, target[1], None)
+            if original is None:
+                continue
+            wrapper = self._wrap_norm(original) if target[1] == "clip_grad_norm_" else self._wrap_with_norm(original)
+            self._originals[target] = original
+            self._wrappers[target] = wrapper
+            setattr(module, target[1], wrapper)
+
+    def _unpatch(self) -> None:
+        import importlib
+
+        for target, original in self._originals.items():
+            module = importlib.import_module(target[0])
+            if getattr(module, target[1], None) is self._wrappers[target]:
+                setattr(module, target[1], original)
+        self._originals.clear()
+        self._wrappers.clear()
+
+    def _notify(self, params: list[torch.Tensor], max_norm: Any, norm_type: Any, total: Any) -> None:
+        if not isinstance(total, torch.Tensor):
+            return
+        for listener in list(self._listeners.values()):
+            listener(params, float(max_norm), float(norm_type), total)
+
+    def _wrap_norm(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            params = bound.arguments["parameters"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            bound.arguments["parameters"] = params
+            total = original(*bound.args, **bound.kwargs)
+            self._notify(params, bound.arguments["max_norm"], bound.arguments.get("norm_type", 2.0), total)
+            return total
+
+        clip_grad_norm_._nantrace_clip = True  # type: ignore[attr-defined]
+        return clip_grad_norm_
+
+    def _wrap_with_norm(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def clip_grads_with_norm_(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            params = bound.arguments["parameters"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            bound.arguments["parameters"] = params
+            out = original(*bound.args, **bound.kwargs)
+            self._notify(params, bound.arguments["max_norm"], 2.0, bound.arguments["total_norm"])
+            return out
+
+        clip_grads_with_norm_._nantrace_clip = True  # type: ignore[attr-defined]
+        return clip_grads_with_norm_
+
+
+CLIP_INTERCEPTOR = _ClipInterceptor()
+"""The one process-wide clipping interceptor (active while at least one guard observes clipping)."""
+
+
+class ClipMonitor(SafeMonitor):
+    """Observes the clipping calls that touch the watched parameters."""
+
+    name = "clipping statistics"
+
+    def __init__(self, *, warmup: int, flush_every: int = 32) -> None:
+        super().__init__()
+        self.warmup = warmup
+        self.flush_every = flush_every
+        self.calls = 0
+        self.clip_steps = 0
+        self.clipped_steps = 0
+        self.max_norm: float | None = None
+        self.pre_norms: deque[float] = deque(maxlen=_KEEP)
+        self._healthy: deque[float] = deque(maxlen=_KEEP)
+        self._recent: deque[bool] = deque(maxlen=_ALWAYS_WINDOW)
+        self._max_seen = 0.0
+        self._ids: set[int] = set()
+        self._step_calls: list[tuple[torch.Tensor, float]] = []
+        self._unread: list[tuple[int, bool, list[float], list[torch.Tensor]]] = []
+        self._reading: tuple[list[tuple[int, bool, list[float]]], DeferredRead] | None = None
+        self._fired: set[str] = set()
+        self._scaled_call: bool = False
+        self._registered = False
+
+    def _attach(self, guard: "Guard") -> None:
+        self._ids = {id(p) for p in guard._params}
+        CLIP_INTERCEPTOR.add(id(self), self._on_clip)
+        self._registered = True
+
+    def _uninstall(self) -> None:
+        if self._registered:
+            CLIP_INTERCEPTOR.remove(id(self))
+            self._registered = False
+
+    def _on_clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float, total: torch.Tensor) -> None:
+        if not self.active or not params or not any(id(p) in self._ids for p in params[:4]):
+            return
+        guard = self._guard_ref() if self._guard_ref is not None else None
+        if guard is None or guard.closed:
+            return
+        scaler = guard.scaler
+        if scaler is not None and scaler.is_enabled() and not getattr(guard, "_unscaled", True):
+            self._scaled_call = True
+        self._step_calls.append((total.detach().reshape(()), max_norm))
+
+    def _on_step(self, ctx: StepContext) -> list[Signal]:
+        signals: list[Signal] = []
+        if self._scaled_call and "scaled" not in self._fired:
+            self._fired.add("scaled")
+            signals.append(self._scaled_signal())
+        self._scaled_call = False
+        if self._reading is not None:
+            signals += self._finish(*self._reading)
+            self._reading = None
+        if self._step_calls:
+            calls, self._step_calls = self._step_calls, []
+            self._unread.append((ctx.step, ctx.applied, [m for _, m in calls], [t for t, _ in calls]))
+        if self._unread and (len(self._unread) >= self.flush_every or ctx.step % self.flush_every == 0):
+            self._start_read()
+        return signals
+
+    def _start_read(self) -> None:
+        unread, self._unread = self._unread, []
+        tensors = [t for _, _, _, ts in unread for t in ts]
+        device = tensors[0].device
+        self._reading = ([(s, a, m) for s, a, m, _ in unread], DeferredRead(stack_on(tensors, device)))
+
+    def _finish(self, steps: list[tuple[int, bool, list[float]]], read: DeferredRead) -> list[Signal]:
+        values = read.get()
+        k = 0
+        for step, applied, max_norms in steps:
+            clipped = False
+            for max_norm in max_norms:
+                pre = values[k]
+                k += 1
+                self.calls += 1
+                self.max_norm = max_norm
+                self.pre_norms.append(pre)
+                clipped = clipped or (math.isfinite(pre) and pre > max_norm)
+                if math.isfinite(pre):
+                    self._max_seen = max(self._max_seen, pre)
+                    if applied and step >= self.warmup:
+                        self._healthy.append(pre)
+            self.clip_steps += 1
+            self.clipped_steps += clipped
+            if step >= self.warmup:
+                self._recent.append(clipped)
+        signals = self._judge()
+        store = self._store()
+        if store is not None:
+            store.set_meta("clipping", self.summary())
+        return signals
+
+    def _store(self) -> Any:
+        guard = self._guard_ref() if self._guard_ref is not None else None
+        return guard.store if guard is not None else None
+
+    # -------------------------------------------------------------- judgements
+    def _judge(self) -> list[Signal]:
+        signals = []
+        if ("always" not in self._fired and len(self._recent) >= _ALWAYS_WINDOW
+                and sum(self._recent) >= _ALWAYS_FRACTION * len(self._recent)):
+            self._fired.add("always")
+            s = self.summary()
+            q = s["pre_clip_norm"]
+            signals.append(Signal(
+                kind="clipping", cause="clip_threshold", phase="optimizer", module=None,
+                summary=(f"Gradient clipping fired on {sum(self._recent) / len(self._recent):.0%} of the last "
+                         f"{len(self._recent)} steps (max_norm={self.max_norm:g}, median pre-clip norm {q['p50']:.3g}): "
+                         f"every update is rescaled, so the effective learning rate is lr·max_norm/‖g‖, not lr."),
+                fix=(f"Raise max_norm to about {s['suggested_max_norm']:.3g} (the {_SUGGEST_QUANTILE:.0%} quantile of this "
+                     f"run's healthy pre-clip norms) so that clipping catches spikes only, or lower the learning rate if "
+                     f"the large norms are the problem."),
+                details=s,
+            ))
+        if ("never" not in self._fired and self.clip_steps >= _NEVER_STEPS and self.clipped_steps == 0
+                and self.max_norm is not None and 0 < self._max_seen < self.max_norm / _NEVER_MARGIN):
+            self._fired.add("never")
+            s = self.summary()
+            signals.append(Signal(
+                kind="clipping", cause="clip_threshold", phase="optimizer", module=None,
+                summary=(f"Gradient clipping never fired in {self.clip_steps} steps: the largest pre-clip norm was "
+                         f"{self._max_seen:.3g}, more than {_NEVER_MARGIN:g}× below max_norm={self.max_norm:g}, so it would "
+                         f"not stop a spike either."),
+                fix=(f"Set max_norm near {s['suggested_max_norm']:.3g} (the {_SUGGEST_QUANTILE:.0%} quantile of this run's "
+                     f"healthy pre-clip norms), or drop clipping if you rely on nantrace's guard for spikes."),
+                details=s,
+            ))
+        return signals
+
+    def _scaled_signal(self) -> Signal:
+        return Signal(
+            kind="clipping", cause="clip_threshold", phase="optimizer", module=None,
+            summary=("clip_grad_norm_ was called on gradients still multiplied by the GradScaler's scale: max_norm is "
+                     "compared with scaled norms, so clipping fires almost always and shrinks every update."),
+            fix="Call scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_(...), then scaler.step(optimizer).",
+            details={},
+        )
+
+    def _detach(self) -> None:
+        try:
+            if self._reading is not None:
+                self._finish(*self._reading)
+                self._reading = None
+            if self._unread:
+                self._start_read()
+                assert self._reading is not None
+                self._finish(*self._reading)
+                self._reading = None
+        finally:
+            self._uninstall()
+
+    def summary(self) -> dict[str, Any]:
+        """Clipping figures so far: calls, steps clipped and their fraction, max_norm, pre-clip
+        norm quantiles (finite values; ``nonfinite`` counts the others) and a suggested max_norm."""
+        values = np.asarray(self.pre_norms, dtype=np.float64)
+        finite = values[np.isfinite(values)]
+        quantiles = {}
+        if len(finite):
+            for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+                quantiles[name] = float(np.quantile(finite, q))
+            quantiles["max"] = float(finite.max())
+        healthy = self._healthy if len(self._healthy) >= 50 else [v for v in values if math.isfinite(v)]
+        return {
+            "calls": self.calls,
+            "steps": self.clip_steps,
+            "steps_clipped": self.clipped_steps,
+            "fraction_clipped": self.clipped_steps / self.clip_steps if self.clip_steps else None,
+            "max_norm": self.max_norm,
+            "pre_clip_norm": quantiles,
+            "nonfinite": int(len(values) - len(finite)),
+            "suggested_max_norm": suggest_max_norm(list(healthy)),
+        }
