@@ -310,6 +310,9 @@ def time_model(name: str, variants: Sequence[str], *, rounds: int, steps: int, w
         summary[v]["cpu_median_ms"] = cpu_summary[v]["median_ms"]
         summary[v]["cpu_ratio_of_medians"] = cpu_summary[v].get("ratio_of_medians")
         summary[v]["cpu_per_round_ratio_median"] = cpu_summary[v].get("per_round_ratio_median")
+        summary[v]["cpu_per_round_ratio_ci95"] = cpu_summary[v].get("per_round_ratio_ci95")
+        summary[v]["cpu_q1_ms"] = cpu_summary[v]["q1_ms"]
+        summary[v]["cpu_q3_ms"] = cpu_summary[v]["q3_ms"]
     identical = {}
     if "plain" in runners:
         for v in variants:
@@ -544,6 +547,12 @@ def environment(threads_set: int | None) -> dict[str, Any]:
     return env
 
 
+def _ratio_ci(median: float | None, ci: Sequence[float] | None) -> str:
+    if median is None:
+        return "n/a"
+    return f"{median:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else f"{median:.3f}"
+
+
 def print_report(results: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -560,7 +569,7 @@ def print_report(results: dict[str, Any]) -> None:
         for col, just in [("model", "left"), ("variant", "left"), ("steps", "right"), ("median ms", "right"),
                           ("IQR ms (q1 – q3)", "right"), ("× plain (medians)", "right"),
                           ("× plain per round: median [95% CI]", "right"), ("per-round IQR", "right"),
-                          ("CPU-time × plain", "right")]:
+                          ("CPU-time × plain per round [95% CI]", "right")]:
             table.add_column(col, justify=just)  # type: ignore[arg-type]
         for name, res in results["timing"].items():
             for v, row in res["summary"].items():
@@ -573,10 +582,9 @@ def print_report(results: dict[str, Any]) -> None:
                     f"{row['median_ms']:.2f}",
                     f"{row['q1_ms']:.2f} – {row['q3_ms']:.2f}",
                     f"{ratio:.3f}" if ratio is not None else "n/a",
-                    (f"{row['per_round_ratio_median']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else
-                     f"{row['per_round_ratio_median']:.3f}") if ratio is not None else "n/a",
+                    _ratio_ci(row.get("per_round_ratio_median"), ci),
                     f"{row['per_round_ratio_q1']:.3f} – {row['per_round_ratio_q3']:.3f}" if ratio is not None else "n/a",
-                    f"{row['cpu_per_round_ratio_median']:.3f}" if row.get("cpu_per_round_ratio_median") else "n/a",
+                    _ratio_ci(row.get("cpu_per_round_ratio_median"), row.get("cpu_per_round_ratio_ci95")),
                 )
             table.add_section()
         console.print(table)

@@ -350,6 +350,33 @@ def test_heatmap_is_bucketed_and_sampling_keeps_special_steps(tmp_path):
     assert math.isnan(grad.values[3, col]) and grad.nonfinite_cells == 1
     page = render_report(run, tmp_path / "s.html").read_text(encoding="utf-8")
     assert "max over buckets of 3 steps" in page  # 3,000 steps into at most 1,000 columns
+    assert "recorded step was read" not in page
+    page = render_report(run, tmp_path / "t.html", max_exact_layer_rows=5_000).read_text(encoding="utf-8")
+    assert "every 3rd recorded step was read (" in page
+    assert "every 3rd step read" in page
+
+
+@pytest.mark.slow
+def test_large_run_renders_fast_and_small(tmp_path):
+    """20,000 steps × 100 layers (2 M rows) through the benchmark's writer: fast, bounded, marks kept."""
+    import importlib.util
+    import time
+
+    spec = importlib.util.spec_from_file_location(
+        "report_scale", Path(__file__).resolve().parents[1] / "benchmarks" / "report_scale.py")
+    bench = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(bench)
+    bench.write_store(tmp_path, 20_000, 100)
+    start = time.perf_counter()
+    out = render_report(tmp_path)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 30 and out.stat().st_size < 20e6
+    figs = _figures(out.read_text(encoding="utf-8"))
+    assert _xs(_trace(figs["curve-loss"], "NaN")) == [5_000]  # the benchmark's NaN step (25 %)
+    assert _xs(_trace(figs["curve-norms"], "+Inf")) == [12_200]  # the end of its explosion (61 %)
+    heat = figs["heatmap-layer_grad_norm"]
+    assert _xs(_trace(heat, "non-finite")) == [5_000, 12_200]  # buckets of 20 steps starting there
 
 
 def test_untrusted_text_is_escaped(tmp_path):

@@ -107,4 +107,6 @@ def _devnull() -> str:
 
 def error(message: str) -> None:
     """Print a user-facing error on stderr, unwrapped so it can be grepped and copied whole."""
-    CONSOLE.print(f"[red]error:[/red] {message}", soft_wrap=True, markup=True, highlight=False)
+    from rich.markup import escape
+
+    CONSOLE.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, markup=True, highlight=False)

@@ -257,6 +257,7 @@ class Guard:
         self.store.set_meta("num_parameters", sum(p.numel() for p in self._params))
         self.store.set_meta("rank", self.rank)
         self.store.set_meta("pid", os.getpid())
+        self.store.set_meta("cwd", os.getcwd())  # source paths in incidents are relative to it
 
     # ------------------------------------------------------------ capture hooks
     def _forward_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -340,15 +341,38 @@ class Guard:
         return wrapper  # type: ignore[return-value]
 
     # ------------------------------------------------------------ step hooks
-    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if self.closed:
-            return
+            return None
         if self._in_scaler_step:
-            decision = self._decision
-        elif len(args) > 1 or kwargs.get("closure") is not None:  # args[0] is the optimizer itself
-            decision = None  # closure optimizers (LBFGS) evaluate the loss inside step()
-        else:
-            decision = self._decide(grads_scaled=False)
+            self._prepare_update(self._decision)
+            return None
+        positional = len(args) > 1  # args[0] is the optimizer itself
+        closure = args[1] if positional else kwargs.get("closure")
+        if closure is None:
+            self._prepare_update(self._decide(grads_scaled=False))
+            return None
+        if isinstance(optimizer, torch.optim.LBFGS):
+            self._decision = None  # evaluates the closure many times per step: checked after the step only
+            return None
+        # Frameworks (Lightning) run forward and backward inside step(closure): decide right
+        # after the closure has produced the gradients, before the update reads them.
+        checked = self._checked_closure(closure)
+        if positional:
+            return (args[0], checked, *args[2:]), kwargs
+        return args, {**kwargs, "closure": checked}
+
+    def _checked_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.enable_grad():
+                result = closure()
+            self._prepare_update(self._decide(grads_scaled=False))
+            return result
+
+        return run
+
+    def _prepare_update(self, decision: _Decision | None) -> None:
+        """Block the update (grads set aside) or let monitors see the parameters before it."""
         if decision is not None and decision.block:
             decision.stashed = [(p, p.grad) for p in self._params]
             for p in self._params:
@@ -725,6 +749,19 @@ def _keep_grad(record: ForwardRecord, index: int, grad: torch.Tensor) -> None:
     record.output_grads.append((index, grad.detach()))
 
 
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a framework's wrapper (Lightning's ``LightningOptimizer``,
+    accelerate's ``AcceleratedOptimizer``, which subclasses Optimizer without its hooks)."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        if inner is None or inner is optimizer:
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
 def watch(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -741,6 +778,7 @@ def watch(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"nantrace.watch: model must be a torch.nn.Module, got {type(model).__name__}")
+    optimizer = _unwrap_optimizer(optimizer)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"nantrace.watch: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"

@@ -102,12 +102,26 @@ class Incident:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Incident":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return cls(**{k: _from_jsonable(v) for k, v in data.items() if k in names})
 
     @property
     def name(self) -> str:
         """A short directory-safe label, e.g. ``step000812-nonfinite_loss``."""
         return f"step{self.step:06d}-{self.kind}"
+
+
+_NONFINITE_TEXT = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def _from_jsonable(value: Any) -> Any:
+    """Undo :func:`_jsonable` for numbers: the strings "nan", "inf", "-inf" become floats again."""
+    if isinstance(value, str):
+        return _NONFINITE_TEXT.get(value, value)
+    if isinstance(value, dict):
+        return {k: _from_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_jsonable(v) for v in value]
+    return value
 
 
 def _jsonable(value: Any) -> Any:

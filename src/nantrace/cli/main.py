@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .. import __version__
-from . import demo, replay
+from . import demo, replay, report, run
 
 app = typer.Typer(
     name="nantrace",
@@ -31,6 +31,8 @@ def _root(
 
 app.command("demo")(demo.demo)
 app.command("replay")(replay.replay_command)
+app.command("report")(report.report_command)
+app.command("run", context_settings=run.CONTEXT_SETTINGS)(run.run_command)
 
 
 def main() -> None:

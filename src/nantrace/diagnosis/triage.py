@@ -66,9 +66,12 @@ def triage(
     if not health.grads_finite:
         if scaler_active:
             return None  # the GradScaler's own calibration: it skips this step and lowers the scale
-        return Finding(step, "nonfinite_grad", "backward", "unknown", None,
-                       f"The loss is finite ({_fmt(health.loss)}) but gradients are non-finite at step {step}: "
-                       "the first non-finite value arose in backward.", unknown_fix)
+        seen = (f"The loss is finite ({_fmt(health.loss)}) but gradients are non-finite at step {step}: "
+                "the first non-finite value arose in backward.") if health.loss is not None else (
+                f"Gradients are non-finite at step {step}; no loss was seen through backward() in this step, "
+                "so whether the forward was already non-finite is unknown.")
+        return Finding(step, "nonfinite_grad", "backward" if health.loss is not None else None, "unknown", None,
+                       seen, unknown_fix)
     spike = loss_spikes.update(health.loss) if loss_spikes is not None and health.loss is not None else None
     boom = grad_spikes.update(health.grad_norm) if grad_spikes is not None and health.grad_norm is not None else None
     if spike is not None:

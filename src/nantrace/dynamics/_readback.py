@@ -55,8 +55,8 @@ class DeferredRead:
         return host.tolist()
 
 
-def stack_on(values: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """0-dim or 1-D float tensors (possibly on several devices) as one float32 vector on ``device``."""
+def stack_on(values: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """0-dim or 1-D tensors (possibly on several devices) as one ``dtype`` vector on ``device``."""
     if not values:
-        return torch.zeros(0, device=device)
-    return torch.cat([v.detach().reshape(-1).to(device, torch.float32) for v in values])
+        return torch.zeros(0, device=device, dtype=dtype)
+    return torch.cat([v.detach().reshape(-1).to(device, dtype) for v in values])

@@ -84,6 +84,9 @@ class ActivationMonitor(SafeMonitor):
                           RuntimeWarning, stacklevel=4)
             self.active = False
             return
+        if guard.store is None and guard.config.tensorboard is False:
+            self.active = False  # nowhere to keep the figures: cost nothing
+            return
         named = list(guard.root.named_modules())
         self.names = [n for n, _ in named]
         self._modules = [m for _, m in named]

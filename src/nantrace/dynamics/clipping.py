@@ -113,42 +113,55 @@ class _ClipInterceptor:
         self._wrappers.clear()
 
     def _notify(self, params: list[torch.Tensor], max_norm: Any, norm_type: Any, total: Any) -> None:
-        if not isinstance(total, torch.Tensor):
+        if not isinstance(total, torch.Tensor) or max_norm is None:
             return
         for listener in list(self._listeners.values()):
             listener(params, float(max_norm), float(norm_type), total)
 
     def _wrap_norm(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
+        names = tuple(inspect.signature(original).parameters)  # parameters, max_norm, norm_type, ...
 
         @functools.wraps(original)
         def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)
-            params = bound.arguments["parameters"]
-            params = [params] if isinstance(params, torch.Tensor) else list(params)
-            bound.arguments["parameters"] = params
-            total = original(*bound.args, **bound.kwargs)
-            self._notify(params, bound.arguments["max_norm"], bound.arguments.get("norm_type", 2.0), total)
+            args, params = _materialise(args, kwargs)
+            total = original(*args, **kwargs)
+            self._notify(params, _arg(args, kwargs, names, "max_norm", None), _arg(args, kwargs, names, "norm_type", 2.0),
+                         total)
             return total
 
         clip_grad_norm_._nantrace_clip = True  # type: ignore[attr-defined]
         return clip_grad_norm_
 
     def _wrap_with_norm(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
+        names = tuple(inspect.signature(original).parameters)  # parameters, max_norm, total_norm, ...
 
         @functools.wraps(original)
         def clip_grads_with_norm_(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)
-            params = bound.arguments["parameters"]
-            params = [params] if isinstance(params, torch.Tensor) else list(params)
-            bound.arguments["parameters"] = params
-            out = original(*bound.args, **bound.kwargs)
-            self._notify(params, bound.arguments["max_norm"], 2.0, bound.arguments["total_norm"])
+            args, params = _materialise(args, kwargs)
+            out = original(*args, **kwargs)
+            self._notify(params, _arg(args, kwargs, names, "max_norm", None), 2.0,
+                         _arg(args, kwargs, names, "total_norm", None))
             return out
 
         clip_grads_with_norm_._nantrace_clip = True  # type: ignore[attr-defined]
         return clip_grads_with_norm_
+
+
+def _materialise(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], list[torch.Tensor]]:
+    """Turn the ``parameters`` argument (often a generator) into a list both the original and we can read."""
+    params = args[0] if args else kwargs.get("parameters", ())
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    if args:
+        return (params, *args[1:]), params
+    kwargs["parameters"] = params
+    return args, params
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], name: str, default: Any) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    position = names.index(name) if name in names else len(args)
+    return args[position] if position < len(args) else default
 
 
 CLIP_INTERCEPTOR = _ClipInterceptor()
@@ -191,6 +204,12 @@ class ClipMonitor(SafeMonitor):
             self._registered = False
 
     def _on_clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float, total: torch.Tensor) -> None:
+        try:
+            self._record_clip(params, max_norm, total)
+        except Exception as exc:  # noqa: BLE001 - never break the user's clipping call
+            self._fail(exc)
+
+    def _record_clip(self, params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
         if not self.active or not params or not any(id(p) in self._ids for p in params[:4]):
             return
         guard = self._guard_ref() if self._guard_ref is not None else None

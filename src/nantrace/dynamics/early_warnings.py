@@ -70,10 +70,9 @@ class LayerWarnings:
         self.names = list(layer_names)
         self.settings = settings
         n = len(self.names)
-        self._recent: deque[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = deque(
+        self._recent: deque[tuple[int, np.ndarray]] = deque(
             maxlen=max(settings.recent, settings.sustain_steps + 1, settings.sustain_samples + 1))
-        self._block_log: list[np.ndarray] = []
-        self._block_score: list[np.ndarray] = []
+        self._block: list[np.ndarray] = []
         self._history_log: deque[np.ndarray] = deque(maxlen=settings.history_blocks)
         self._history_score: deque[np.ndarray] = deque(maxlen=settings.history_blocks)
         self._samples = 0
@@ -93,24 +92,17 @@ class LayerWarnings:
                 return []  # a non-finite step is the guard's business, not a trend
             ratio = np.where(usable, grad / np.where(usable, param, 1.0), np.nan)
             log_r = np.log10(ratio)  # exactly zero gradient -> -inf
-        finite = log_r[np.isfinite(log_r)]
-        if len(finite):
-            score = log_r - float(np.quantile(finite, 0.9))
-        else:
-            score = np.full_like(log_r, np.nan)
-        zero = usable & (grad == 0)
-        self._recent.append((step, log_r, score, zero))
-        self._block_log.append(log_r)
-        self._block_score.append(score)
-        if len(self._block_log) >= self.settings.block:
-            self._history_log.append(_nanmedian(np.stack(self._block_log)))
-            self._history_score.append(_nanmedian(np.stack(self._block_score)))
-            self._block_log.clear()
-            self._block_score.clear()
+        self._recent.append((step, log_r))
+        self._block.append(log_r)
+        if len(self._block) >= self.settings.block:
+            block = np.stack(self._block)
+            self._history_log.append(_nanmedian(block))
+            self._history_score.append(_nanmedian(_scores(block)))
+            self._block.clear()
         self._samples += 1
         if self._samples % self.settings.check_every:
             return []
-        return self._judge_growth() + self._judge_vanishing(any_learning=bool(len(finite)))
+        return self._judge_growth() + self._judge_vanishing()
 
     def observe_update_ratio(self, step: int, ratio: np.ndarray) -> list[Signal]:
         """One sample of per-layer update/parameter ratios (NaN where unknown)."""
@@ -187,7 +179,7 @@ class LayerWarnings:
                      "ratio_now": float(10 ** float(current[worst])), "ratio_before": float(10 ** float(baseline[worst]))},
         )]
 
-    def _judge_vanishing(self, *, any_learning: bool) -> list[Signal]:
+    def _judge_vanishing(self) -> list[Signal]:
         s = self.settings
         if not self._recent:
             return []
@@ -198,9 +190,10 @@ class LayerWarnings:
         if len(window) < s.sustain_samples:
             return []
         steps = [r[0] for r in window]
-        scores = np.stack([r[2] for r in window])
-        zeros = np.stack([r[3] for r in window])
-        dead = zeros.all(axis=0) if any_learning else np.zeros(len(self.names), dtype=bool)
+        log_r = np.stack([r[1] for r in window])
+        scores = _scores(log_r)
+        learning = np.isfinite(log_r).any(axis=1)  # some layer still has a finite, non-zero ratio
+        dead = (log_r == -np.inf).all(axis=0) & bool(learning.all())
         collapsed = np.zeros(len(self.names), dtype=bool)
         baseline = np.full(len(self.names), np.nan)
         if len(self._history_score) >= 3:
@@ -232,6 +225,20 @@ class LayerWarnings:
             details={"layers": [self.names[i] for i in hits], "zero_gradient": [self.names[i] for i in hits if dead[i]],
                      "since_step": steps[0]},
         )]
+
+
+def _scores(log_r: np.ndarray) -> np.ndarray:
+    """Each layer's log ratio relative to the 90th percentile over the layers of the same sample.
+
+    Exactly-zero gradients (``-inf``) are left out of the percentile and keep score ``-inf``.
+    """
+    finite = np.where(np.isfinite(log_r), log_r, np.nan)
+    ok = ~np.isnan(finite).all(axis=1)
+    top = np.full(log_r.shape[0], np.nan)
+    if ok.any():
+        top[ok] = np.nanquantile(finite[ok], 0.9, axis=1)
+    with np.errstate(invalid="ignore"):
+        return log_r - top[:, None]
 
 
 def _nanmedian(a: np.ndarray) -> np.ndarray:

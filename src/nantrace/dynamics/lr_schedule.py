@@ -202,6 +202,9 @@ class LRScheduleMonitor(SafeMonitor):
         self.first_step = 0
         self.divergence: dict[str, Any] | None = None
         self.checked = 0
+        self._first: tuple[int, int, float, float] | None = None
+        self._observed: list[tuple[int, float]] = []
+        self._report_at = 0
 
     def _attach(self, guard: "Guard") -> None:
         optimizer = guard.optimizer
@@ -247,19 +250,42 @@ class LRScheduleMonitor(SafeMonitor):
     def _on_step(self, ctx: StepContext) -> list[Signal]:
         if self.divergence is not None or not ctx.lrs:
             return []
-        meant = self.meant(ctx.step)
         self.checked += 1
-        for group, (ran, want) in enumerate(zip(ctx.lrs, meant)):
-            if math.isnan(ran):
-                continue  # an LR tensor on the device: not read (it would synchronise)
-            if not self._close(ran, want, self.peaks[group] if group < len(self.peaks) else float("nan")):
-                return [self._report(ctx.step, group, ran, want)]
+        if self._first is None:
+            meant = self.meant(ctx.step)
+            for group, (ran, want) in enumerate(zip(ctx.lrs, meant)):
+                if math.isnan(ran):
+                    continue  # an LR tensor on the device: not read (it would synchronise)
+                if not self._close(ran, want, self._peak(group)):
+                    self._first = (ctx.step, group, ran, want)
+                    self._report_at = self._report_step(ctx.step)
+                    break
+        if self._first is None:
+            return []
+        self._observed.append((ctx.step, ctx.lrs[self._first[1]]))
+        if ctx.step >= self._report_at:
+            return [self._report()]
         return []
 
-    def _report(self, step: int, group: int, ran: float, want: float) -> Signal:
-        peak = self.peaks[group] if group < len(self.peaks) else float("nan")
-        shape = self._describe(step, group, ran, want, peak)
-        self.divergence = {"step": step, "param_group": group, "lr_ran": ran, "lr_meant": want, "explanation": shape}
+    def _peak(self, group: int) -> float:
+        return self.peaks[group] if group < len(self.peaks) else float("nan")
+
+    def _report_step(self, first: int) -> int:
+        """When to report a divergence first seen at ``first``: a few steps later, so that its shape is known
+        (through the end of the declared warmup when that is near), at most 50 steps later."""
+        if self.track is not None:
+            return first  # the scheduler copy explains itself at once
+        end = first + 4
+        if self.spec is not None:
+            end = max(end, self.spec.warmup_steps - self.spec.offset + 2)
+        return min(end, first + 50)
+
+    def _report(self) -> Signal:
+        assert self._first is not None
+        step, group, ran, want = self._first
+        shape = self._describe()
+        self.divergence = {"step": step, "param_group": group, "lr_ran": ran, "lr_meant": want, "explanation": shape,
+                           "observed": [{"step": t, "lr_ran": lr, "lr_meant": self.meant(t)[group]} for t, lr in self._observed[:8]]}
         declared = ("the scheduler stepped once per optimizer step" if self.track is not None
                     else "the declared schedule")
         return Signal(
@@ -272,46 +298,94 @@ class LRScheduleMonitor(SafeMonitor):
             details=dict(self.divergence),
         )
 
-    def _describe(self, step: int, group: int, ran: float, want: float, peak: float) -> str:
+    # -------------------------------------------------------------- diagnosis
+    def _describe(self) -> str:
+        assert self._first is not None
+        step, group, ran, want = self._first
+        peak = self._peak(group)
+        observed = self._observed
+        meant = [self.meant(t)[group] for t, _ in observed]
+        if self.track is not None:
+            return self._describe_track(step, group, ran)
         spec = self.spec
-        warmup = spec.warmup_steps - spec.offset if spec is not None else None
+        warmup_end = spec.warmup_steps - spec.offset if spec is not None else None
+        if (spec is not None and spec.decay != "constant" and warmup_end is not None and step >= warmup_end
+                and all(self._close(lr, peak, peak) for _, lr in observed)):
+            return f"the LR stayed at its peak {ran:.6g}: it never started to decay after warmup (step {warmup_end})"
+        shift = self._shift(group)
+        if shift:
+            where = "warmup ends" if warmup_end is not None and step < warmup_end else "the schedule runs"
+            return (f"the LR that ran is the one meant {abs(shift)} step(s) {'later' if shift > 0 else 'earlier'}: "
+                    f"{where} {abs(shift)} step(s) {'early' if shift > 0 else 'late'}")
+        ratios = [lr / m for (_, lr), m in zip(observed, meant) if m > 0]
+        scaled = bool(ratios) and all(self._close(r, ratios[0], 1.0) for r in ratios)
+        implied = self._implied_warmup(group) if spec is not None and warmup_end is not None and step < warmup_end else None
+        if scaled and implied is not None and observed[-1][0] < (warmup_end or 0):
+            return (f"during warmup the LR is {ratios[0]:.3g}× the one meant: a peak LR of {ratios[0] * peak:.6g} instead of "
+                    f"{peak:.6g}, or a warmup of about {implied} steps instead of {spec.warmup_steps}")  # type: ignore[union-attr]
+        if scaled:
+            return f"the LR is {ratios[0]:.3g}× the one meant all along: a peak (base) LR of {ratios[0] * peak:.6g} instead of {peak:.6g}"
+        if implied is not None:
+            lag = implied - spec.warmup_steps  # type: ignore[union-attr]
+            return (f"warmup lasts about {implied} steps instead of {spec.warmup_steps}: it ends {abs(lag)} step(s) "  # type: ignore[union-attr]
+                    f"{'late' if lag > 0 else 'early'}")
+        return "no shift or scaling of the declared schedule explains the LR that ran"
+
+    def _shift(self, group: int) -> int:
+        """``k`` such that the LR that ran at every observed step ``t`` is the one meant at ``t + k`` (0 if none)."""
+        last = self._observed[-1][0]
+        limit = min(4 * (last - self.first_step) + 8, _SEARCH_CAP)
+        try:
+            for distance in range(1, limit + 1):
+                for k in (distance, -distance):
+                    if all(t + k >= self.first_step and self._close(lr, self.meant(t + k)[group], self._peak(group))
+                           for t, lr in self._observed):
+                        return k
+        except Exception:  # noqa: BLE001 - a user's schedule callable may not accept every step
+            return 0
+        return 0
+
+    def _implied_warmup(self, group: int) -> int | None:
+        """The warmup length that a linear warmup through the observed LRs would have (None if not consistent)."""
+        spec = self.spec
+        assert spec is not None
+        peak, init = self._peak(group), spec.warmup_init_lr
+        values = []
+        for t, lr in self._observed:
+            s = t + spec.offset
+            if s > 0 and init < lr < peak * (1 - self.tolerance):
+                values.append(s * (peak - init) / (lr - init))
+        if not values or max(values) - min(values) > 1.0:
+            return None
+        return round(sum(values) / len(values))
+
+    def _describe_track(self, step: int, group: int, ran: float) -> str:
         match = self._find_step(step, group, ran)
-        if match is not None and match != step:
-            lag = step - match
-            if spec is not None and warmup is not None and match >= warmup and step > warmup and (
-                    math.isfinite(peak) and self._close(ran, peak, peak) and spec.decay != "constant"):
-                return f"the LR is still at its peak {ran:.6g}: it never started to decay after warmup"
-            if self.track is not None and step > 0 and match % step == 0 and match > step:
-                return (f"the LR that ran is the scheduler's value for step {match}: it is stepped about "
-                        f"{match // step} times per optimizer step")
-            if self.track is not None and match < step:
-                return (f"the LR that ran is the scheduler's value for step {match}: it is stepped less often than "
-                        f"the optimizer (per epoch?)")
-            phase = "warmup ends" if warmup is not None and step <= warmup + abs(lag) else "the schedule runs"
-            if lag > 0:
-                return f"the LR that ran is the one meant for step {match}: {phase} {lag} step(s) late"
-            return f"the LR that ran is the one meant for step {match}: {phase} {-lag} step(s) early"
-        if want != 0 and math.isfinite(ran / want) and ran > 0:
-            return f"the LR is {ran / want:.3g}× the one meant (a wrong peak or base LR, by more than the tolerance)"
-        return "no step of the declared schedule has this LR"
+        if match is None or match == step:
+            return "no step of the scheduler's own schedule has this LR (was the LR changed by hand?)"
+        if step > self.first_step and match > step:
+            return (f"the LR that ran is the scheduler's value for step {match}: it is stepped about "
+                    f"{max(round((match - self.first_step) / (step - self.first_step)), 2)} times per optimizer step")
+        return (f"the LR that ran is the scheduler's value for step {match}: it is stepped less often than the optimizer "
+                f"(per epoch?)")
 
     def _find_step(self, step: int, group: int, ran: float) -> int | None:
-        """The step of the declared schedule whose LR is ``ran`` (nearest to ``step``), if any."""
-        peak = self.peaks[group] if group < len(self.peaks) else float("nan")
+        """The step of the scheduler's schedule whose LR is ``ran`` (nearest to ``step``), if any."""
         start = self.first_step
         end = min(start + 4 * (step - start) + 8, start + _SEARCH_CAP)
         best: tuple[int, int] | None = None
-        try:
-            for j in range(start, end + 1):
-                if self._close(ran, self.meant(j)[group], peak):
-                    distance = abs(j - step)
-                    if best is None or distance < best[0]:
-                        best = (distance, j)
-                    if j > step and best is not None and j - step > best[0]:
-                        break
-        except Exception:  # noqa: BLE001 - a user's schedule callable may not accept every step
-            pass
+        for j in range(start, end + 1):
+            if self._close(ran, self.meant(j)[group], self._peak(group)):
+                distance = abs(j - step)
+                if best is None or distance < best[0]:
+                    best = (distance, j)
+                if j > step and j - step > best[0]:
+                    break
         return best[1] if best is not None else None
+
+    def _detach(self) -> None:
+        if self._first is not None and self.divergence is None:
+            self._report()  # the run ended before the report was due: keep the figures (summary), nothing printed
 
     def summary(self) -> dict[str, Any]:
         return {"checked_steps": self.checked, "divergence": self.divergence}

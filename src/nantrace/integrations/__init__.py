@@ -8,8 +8,7 @@ never imports Lightning or transformers):
 - ``nantrace run SCRIPT`` (:mod:`nantrace.autowatch`) for unmodified scripts.
 
 This package module holds the little they share: finding the ``torch.optim.Optimizer``
-inside a framework's wrapper, making steps driven through ``optimizer.step(closure)``
-checkable (:class:`GuardSession`), and the health figures to send to a logger
+inside a framework's wrapper (:class:`GuardSession`), and the health figures to send to a logger
 (:func:`step_metrics`). These are internal helpers; the callbacks are the public surface.
 
 Usage::
@@ -20,6 +19,7 @@ Usage::
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -28,10 +28,11 @@ from torch import nn
 
 __all__: list[str] = []  # the public names live in the submodules (lightning, hf)
 
-WATCH_KEYWORDS = ("run_dir", "on_anomaly", "config")
-"""The keyword arguments of ``nantrace.watch`` a callback passes through."""
+def watch_keywords() -> tuple[str, ...]:
+    """The keyword-only arguments of ``nantrace.watch`` a callback passes through."""
+    from ..guard import watch
 
-_NO_RESULT = object()
+    return tuple(n for n, p in inspect.signature(watch).parameters.items() if p.kind is p.KEYWORD_ONLY)
 
 
 def check_watch_kwargs(watch_kwargs: dict[str, Any], where: str) -> dict[str, Any]:
@@ -42,10 +43,11 @@ def check_watch_kwargs(watch_kwargs: dict[str, Any], where: str) -> dict[str, An
     from ..config import Config
     from ..response.policies import POLICIES
 
-    unknown = sorted(set(watch_kwargs) - set(WATCH_KEYWORDS))
+    allowed = watch_keywords()
+    unknown = sorted(set(watch_kwargs) - set(allowed))
     if unknown:
         raise TypeError(f"{where}: unknown argument(s) {', '.join(map(repr, unknown))}; "
-                        f"expected any of {', '.join(WATCH_KEYWORDS)} (the model and optimizer come from the trainer)")
+                        f"expected any of {', '.join(allowed)} (the model and optimizer come from the trainer)")
     policy = watch_kwargs.get("on_anomaly", "skip")
     if not isinstance(policy, str) or policy not in POLICIES:
         raise ValueError(f"{where}: unknown on_anomaly {policy!r}; expected one of {', '.join(map(repr, POLICIES))}")
@@ -73,86 +75,33 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
                     f"got {type(optimizer).__name__}")
 
 
-def _multi_evaluation(optimizer: torch.optim.Optimizer) -> bool:
-    """Optimizers that evaluate the closure several times per step (line searches)."""
-    return isinstance(optimizer, torch.optim.LBFGS)
-
-
 class GuardSession:
-    """``nantrace.watch`` plus two optimizer pre-hooks around the guard's own, so that steps
-    taken as ``optimizer.step(closure)`` are checked like plain ``optimizer.step()`` calls.
+    """``nantrace.watch`` on the torch optimizer inside a framework's wrapper.
 
-    Lightning (and accelerate, with a positional ``None``) step through a closure that runs
-    ``training_step`` and ``backward`` *inside* ``optimizer.step``, after the optimizer's
-    pre-hooks. The first hook here runs that closure before the guard's pre-hook (so the
-    guard sees the gradients and can block the update) and takes it out of the call; the
-    second hands the optimizer a closure that returns the result already computed.
-    Multi-evaluation optimizers (LBFGS) are left alone.
+    Steps driven as ``optimizer.step(closure)`` (Lightning) or ``optimizer.step(None)``
+    (accelerate) are checked by the guard itself, right after the closure has produced the
+    gradients; this class only finds the optimizer and keeps the guard.
 
     Usage::
 
         session = GuardSession(model, trainer.optimizers[0], run_dir="runs/x")
         ...
-        session.close()        # closes the guard and removes the two hooks
+        session.close()
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, scaler: Any = None, **watch_kwargs: Any) -> None:
         import nantrace
 
         self.optimizer = torch_optimizer(optimizer)
-        self._result: Any = _NO_RESULT
-        self._handles = [self.optimizer.register_step_pre_hook(self._run_closure_first)]
-        try:
-            self.guard = nantrace.watch(model, self.optimizer, scaler, **watch_kwargs)
-        except BaseException:
-            self._handles[0].remove()
-            raise
-        self._handles.append(self.optimizer.register_step_pre_hook(self._hand_back_result))
-
-    def _run_closure_first(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
-                           kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        self._result = _NO_RESULT
-        positional = len(args) > 1  # args[0] is the optimizer itself
-        closure = args[1] if positional else kwargs.get("closure")
-        rest = {k: v for k, v in kwargs.items() if k != "closure"}
-        if closure is None:
-            return (args[:1], rest) if positional or "closure" in kwargs else None
-        if self.guard.closed or _multi_evaluation(optimizer):
-            return None
-        with torch.enable_grad():
-            self._result = closure()
-        return args[:1] + args[2:], rest
-
-    def _hand_back_result(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
-                          kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if self._result is _NO_RESULT:
-            return None
-        result, self._result = self._result, _NO_RESULT
-        return args, {**kwargs, "closure": _Cached(result)}
+        self.guard = nantrace.watch(model, self.optimizer, scaler, **watch_kwargs)
 
     @property
     def closed(self) -> bool:
         return self.guard.closed
 
     def close(self) -> None:
-        """Close the guard and remove the hooks; idempotent."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._result = _NO_RESULT
+        """Close the guard; idempotent."""
         self.guard.close()
-
-
-class _Cached:
-    """A closure that returns a result computed before the optimizer's step began."""
-
-    __slots__ = ("result",)
-
-    def __init__(self, result: Any) -> None:
-        self.result = result
-
-    def __call__(self) -> Any:
-        return self.result
 
 
 def step_metrics(guard: Any, prefix: str = "nantrace/") -> dict[str, float]:

@@ -55,6 +55,7 @@ class NanTraceCallback(TrainerCallback):
         self.close()
         scaler = getattr(optimizer, "scaler", None)  # accelerate keeps the fp16 GradScaler on its wrapper
         self.session = GuardSession(model, optimizer, scaler, **self.watch_kwargs)
+        self.session.guard.step = state.global_step  # resumed from a checkpoint: count on from there
         self._logged_step = -1
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:

@@ -69,6 +69,10 @@ class NanTraceCallback(pl.Callback):
             self._patched = (pl_module, pl_module.__dict__.get("training_step", _ABSENT))
             pl_module.training_step = self.session.guard.replayable(_loss_first(pl_module.training_step))
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.guard is not None:  # a resumed fit: count on from the checkpoint's step
+            self.guard.step = trainer.global_step
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         row = self.guard.last_step if self.guard is not None else None
         if row is None or row["step"] == self._logged_step:

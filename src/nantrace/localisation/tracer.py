@@ -157,7 +157,7 @@ class OpRecord:
             "node": self.node,
             "module": self.module,
             "source": self.source,
-            "produces": "nan" if self.out_nan else "inf",
+            "produces": "NaN" if self.out_nan else "Inf",
         }
 
 

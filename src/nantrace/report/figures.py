@@ -26,6 +26,7 @@ from plotly.colors import sequential
 
 from ..incident import Incident
 from .data import Curve, Heatmap, Marks, ReportData
+from .template import ordinal
 
 NAN_COLOUR = "#d62728"
 INF_COLOUR = "#ff7f0e"
@@ -238,7 +239,7 @@ def heatmap_figure(heatmap: Heatmap, incidents: Sequence[Incident]) -> FigureSpe
     n_layers = len(heatmap.layers)
     per = f"max over buckets of {heatmap.bucket_width} steps" if heatmap.bucket_width > 1 else "one column per step"
     if heatmap.stride > 1:
-        per += f", every {heatmap.stride}th step read + all special steps"
+        per += f", every {ordinal(heatmap.stride)} step read + all special steps"
     title = f"{heatmap.title} ({per}; log colour scale)"
     fig = go.Figure(go.Heatmap(
         z=enc.z, x=heatmap.start, y=heatmap.layers, customdata=shown,

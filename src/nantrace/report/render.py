@@ -155,7 +155,7 @@ def _notes(data: ReportData, n_cards: int) -> list[str]:
     for h in data.heatmaps:
         if h.stride > 1 and h.key != "layer_update_ratio":
             notes.append(
-                f"{h.title}: the store holds {h.rows_total:,} rows; to keep the report fast, every {h.stride}th "
+                f"{h.title}: the store holds {h.rows_total:,} rows; to keep the report fast, every {t.ordinal(h.stride)} "
                 f"recorded step was read ({h.rows_read:,} rows), plus, in full, every step with an incident, a "
                 "skipped update or a non-finite loss, gradient norm or parameter norm. Non-finite values behind "
                 "those show exactly; a finite one-step spike between read steps may not."

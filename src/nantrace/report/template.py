@@ -52,6 +52,12 @@ def _word(value: float) -> str:
     return "+Inf" if value > 0 else "-Inf"
 
 
+def ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``22nd`` ..."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def json_for_script(value: Any) -> str:
     """JSON that is safe inside a ``<script>`` element."""
     text = value if isinstance(value, str) else json.dumps(value)
@@ -215,12 +221,17 @@ def details_html(details: dict[str, Any]) -> str:
             )
     rest = {k: v for k, v in details.items() if k not in ("nonfinite_grads", "nonfinite_params")}
     if rest:
-        items = "".join(
-            f"<div><dt>{esc(k)}</dt><dd>{num(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else esc(json.dumps(v, default=str) if not isinstance(v, bool) else v)}</dd></div>"
-            for k, v in rest.items()
-        )
+        items = "".join(f"<div><dt>{esc(k)}</dt><dd>{_detail(v)}</dd></div>" for k, v in rest.items())
         parts.append(f'<details><summary>Other details</summary><dl class="kv small">{items}</dl></details>')
     return "".join(parts)
+
+
+def _detail(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return esc(value)
+    if isinstance(value, (int, float, str)):
+        return num(value)
+    return f"<code>{esc(json.dumps(value, default=str))}</code>"
 
 
 def incident_card_html(inc: Incident, snippet: CodeSnippet | None, history: Sequence[dict[str, Any]],

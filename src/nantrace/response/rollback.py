@@ -612,6 +612,10 @@ class SnapshotManager:
         for scheduler, state in zip(self._schedulers, payload["schedulers"]):
             scheduler.load_state_dict(state if fresh else copy.deepcopy(state))
         _set_rng_state(payload["rng"])
+        # Host-to-device copies from pinned snapshot buffers may still be in flight: finish
+        # them before those buffers can be recycled or read.
+        for device in {t.device for t in self.model.parameters() if t.device.type == "cuda"}:
+            torch.cuda.synchronize(device)
         if clear_grads:
             for param in self.model.parameters():
                 param.grad = None

@@ -94,7 +94,7 @@ class RunStore:
                 raise ValueError(f"run directory {str(self.run_dir)!r} does not exist; expected a directory written by nantrace.watch(run_dir=...)")
             if not self.path.is_file():
                 raise ValueError(f"{str(self.run_dir)!r} is not a nantrace run directory: expected {DB_NAME} inside it")
-            uri = f"file:{self.path}?mode=ro"
+            uri = self.path.resolve().as_uri() + "?mode=ro"
             self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
             try:
                 self._conn.execute("SELECT count(*) FROM steps").fetchone()
