@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
 import nantrace
 from conftest import assert_unhooked, mlp, same_state, snapshot

@@ -10,7 +10,8 @@ Usage::
 
 from .config import Config
 from .errors import NonFiniteError
-from .guard import Guard, watch
+from .guard import Guard
+from .watch import watch
 from .incident import ACTIONS, CAUSES, KINDS, PHASES, Incident
 from .replay import replay
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import os
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from torch import nn
 
 from . import console
 from ._interception import INTERCEPTOR
+from ._scaler_hooks import patch_scaler, unpatch_scaler
 from .capture import (
     AutocastState,
     CallRecord,
@@ -52,7 +52,7 @@ from .dynamics.registry import build_monitors
 from .distributed import Agreement, agree, install_local_grad_check, world
 from .errors import NonFiniteError
 from .incident import Incident
-from .response.policies import POLICIES, action_for
+from .response.policies import action_for
 from .response.precision import PrecisionFallback
 from .storage.runstore import RunStore
 
@@ -179,68 +179,9 @@ class Guard:
             self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
         if self.scaler is not None:
-            self._patch_scaler()
+            self._scaler_originals = patch_scaler(self)
         INTERCEPTOR.add(id(self), self._on_loss)
         self.checks_local_grads = self.world_size > 1 and install_local_grad_check(self)
-
-    def _patch_scaler(self) -> None:
-        scaler = self.scaler
-        guard_ref = weakref.ref(self)
-
-        for name in ("scale", "unscale_", "step"):
-            had_instance_attr = name in scaler.__dict__
-            self._scaler_originals[name] = scaler.__dict__[name] if had_instance_attr else None
-            bound = getattr(scaler, name)
-            wrapper = getattr(self, f"_scaler_{name}")(bound, guard_ref)
-            wrapper._nantrace_guard = True
-            setattr(scaler, name, wrapper)
-
-    @staticmethod
-    def _scaler_scale(original: Callable[..., Any], guard_ref: Any) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def scale(outputs: Any) -> Any:
-            scaled = original(outputs)
-            guard = guard_ref()
-            if guard is not None and not guard.closed and isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-                guard._record_loss(outputs)
-                try:
-                    scaled._nantrace_scaled = True
-                except AttributeError:
-                    pass
-            return scaled
-
-        return scale
-
-    @staticmethod
-    def _scaler_unscale_(original: Callable[..., Any], guard_ref: Any) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def unscale_(optimizer: Any) -> Any:
-            out = original(optimizer)
-            guard = guard_ref()
-            if guard is not None and optimizer is guard.optimizer:
-                guard._unscaled = True
-            return out
-
-        return unscale_
-
-    @staticmethod
-    def _scaler_step(original: Callable[..., Any], guard_ref: Any) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            guard = guard_ref()
-            if guard is None or guard.closed or optimizer is not guard.optimizer or not guard.scaler.is_enabled():
-                return original(optimizer, *args, **kwargs)
-            decision = guard._decide(grads_scaled=not guard._unscaled, via_scaler=True)
-            guard._in_scaler_step = True
-            try:
-                result = original(optimizer, *args, **kwargs)
-            finally:
-                guard._in_scaler_step = False
-                guard._restore_grads(decision)
-            guard._finish_step(decision)
-            return result
-
-        return step
 
     def _write_meta(self) -> None:
         assert self.store is not None
@@ -528,14 +469,18 @@ class Guard:
                 incident.fix = f"{incident.fix} (Done: {note}.)"
         if self.policy == "pause" or (self.config.save_bundle and self.store is not None and incident.kind.startswith("nonfinite")):
             self._write_bundle(incident)
+        self._record(incident)
+        if incident.action in ("raised", "paused"):
+            self._finish_step(decision, raised=True)
+            raise NonFiniteError(incident)
+
+    def _record(self, incident: Incident) -> None:
+        """Keep, store and print one incident."""
         self.incidents.append(incident)
         if self.store is not None:
             self.store.log_incident(incident)
         if self.config.print_incidents:
             console.print_incident(incident)
-        if incident.action in ("raised", "paused"):
-            self._finish_step(decision, raised=True)
-            raise NonFiniteError(incident)
 
     def _write_bundle(self, incident: Incident) -> None:
         if self.store is None or self._bundles_written >= self.config.max_bundles:
@@ -572,11 +517,7 @@ class Guard:
                 details={"path": issue.path, "sample_indices": list(issue.sample_indices), **issue.details},
                 history=list(self._recorder),
             )
-            self.incidents.append(incident)
-            if self.store is not None:
-                self.store.log_incident(incident)
-            if self.config.print_incidents:
-                console.print_incident(incident)
+            self._record(incident)
 
     # ------------------------------------------------------------ bookkeeping
     def _finish_step(self, decision: _Decision, *, raised: bool = False) -> None:
@@ -635,11 +576,7 @@ class Guard:
             rank=self.rank, cause=signal.cause, summary=signal.summary, fix=signal.fix, action="logged",
             details=dict(signal.details), history=list(self._recorder),
         )
-        self.incidents.append(incident)
-        if self.store is not None:
-            self.store.log_incident(incident)
-        if self.config.print_incidents:
-            console.print_incident(incident)
+        self._record(incident)
 
     def _report_collapse(self, collapse: Any, decision: _Decision) -> None:
         from .diagnosis.patterns import explain
@@ -654,11 +591,7 @@ class Guard:
             history=list(self._recorder),
         )
         decision.incident = decision.incident or incident
-        self.incidents.append(incident)
-        if self.store is not None:
-            self.store.log_incident(incident)
-        if self.config.print_incidents:
-            console.print_incident(incident)
+        self._record(incident)
         if incident.action in ("raised", "paused"):
             raise NonFiniteError(incident)
 
@@ -698,13 +631,7 @@ class Guard:
             handle.remove()
         self._handles.clear()
         if self.scaler is not None:
-            for name, original in self._scaler_originals.items():
-                current = self.scaler.__dict__.get(name)
-                if current is not None and getattr(current, "_nantrace_guard", False):
-                    if original is None:
-                        del self.scaler.__dict__[name]
-                    else:
-                        setattr(self.scaler, name, original)
+            unpatch_scaler(self.scaler, self._scaler_originals)
             self._scaler_originals.clear()
         INTERCEPTOR.remove(id(self))
         self._capture = StepCapture()
@@ -747,55 +674,3 @@ def _bad_inputs(capture: StepCapture) -> list[dict[str, Any]]:
 
 def _keep_grad(record: ForwardRecord, index: int, grad: torch.Tensor) -> None:
     record.output_grads.append((index, grad.detach()))
-
-
-def _unwrap_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside a framework's wrapper (Lightning's ``LightningOptimizer``,
-    accelerate's ``AcceleratedOptimizer``, which subclasses Optimizer without its hooks)."""
-    for _ in range(4):
-        inner = getattr(optimizer, "optimizer", None)
-        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
-            return optimizer
-        if inner is None or inner is optimizer:
-            return optimizer
-        optimizer = inner
-    return optimizer
-
-
-def watch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scaler: Any = None,
-    *,
-    run_dir: str | os.PathLike[str] | None = None,
-    on_anomaly: str = "skip",
-    config: Config | None = None,
-) -> Guard:
-    """Watch ``model`` (and ``optimizer``/``scaler``) for numerical failures; see :class:`Guard`.
-
-    Arguments are validated before anything is hooked: a bad one raises ``TypeError`` or
-    ``ValueError`` naming what was expected, and leaves nothing behind.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"nantrace.watch: model must be a torch.nn.Module, got {type(model).__name__}")
-    optimizer = _unwrap_optimizer(optimizer)
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"nantrace.watch: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
-        )
-    if scaler is not None:
-        if not all(callable(getattr(scaler, n, None)) for n in ("scale", "step", "update", "unscale_", "is_enabled")):
-            raise TypeError(f"nantrace.watch: scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
-        if optimizer is None:
-            raise ValueError("nantrace.watch: a scaler was given without an optimizer; pass the optimizer the scaler steps")
-    if not isinstance(on_anomaly, str) or on_anomaly not in POLICIES:
-        raise ValueError(f"nantrace.watch: unknown on_anomaly {on_anomaly!r}; expected one of {', '.join(map(repr, POLICIES))}")
-    if config is None:
-        config = Config()
-    elif not isinstance(config, Config):
-        raise TypeError(f"nantrace.watch: config must be a nantrace.Config, got {type(config).__name__}")
-    if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
-        raise TypeError(f"nantrace.watch: run_dir must be a path (str or os.PathLike) or None, got {type(run_dir).__name__}")
-    if run_dir is not None and os.path.exists(run_dir) and not os.path.isdir(run_dir):
-        raise ValueError(f"nantrace.watch: run_dir {os.fspath(run_dir)!r} exists and is not a directory")
-    return Guard(model, optimizer, scaler, run_dir=run_dir, on_anomaly=on_anomaly, config=config)
