@@ -17,7 +17,7 @@ from conftest import assert_unhooked, mlp, same_state, snapshot
         (dict(model="not a model"), TypeError, "model must be a torch.nn.Module, got str"),
         (dict(optimizer=object()), TypeError, "optimizer must be a torch.optim.Optimizer or None, got object"),
         (dict(scaler=3), TypeError, "scaler must be a torch.amp.GradScaler or None, got int"),
-        (dict(on_anomaly="explode"), ValueError, "unknown on_anomaly 'explode'; expected one of 'skip', 'raise', 'pause'"),
+        (dict(on_anomaly="explode"), ValueError, "unknown on_anomaly 'explode'; expected one of 'skip', 'raise', 'rollback', 'pause'"),
         (dict(on_anomaly=None), ValueError, "unknown on_anomaly None"),
         (dict(config={"spike_sigma": 3}), TypeError, "config must be a nantrace.Config, got dict"),
         (dict(run_dir=42), TypeError, "run_dir must be a path (str or os.PathLike) or None, got int"),

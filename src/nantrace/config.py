@@ -85,6 +85,18 @@ class Config:
     max_bundles: int = 10
     """At most this many bundles per run (the first ones are the informative ones)."""
 
+    rollback_interval: int = 100
+    """With ``on_anomaly="rollback"``: take a last-good snapshot every this many healthy steps."""
+
+    rollback_where: str = "memory"
+    """Where snapshots live: ``"memory"`` (CPU RAM) or ``"disk"`` (``run_dir/snapshots``, or a temp dir)."""
+
+    rollback_keep: int = 2
+    """How many snapshots to keep (the newest is restored)."""
+
+    rollback_max_retries: int = 3
+    """Rollbacks in a row (each within ``rollback_interval`` steps of the last) before escalating to ``pause``."""
+
     precision_fallback_after: int = 3
     """After this many ``precision_overflow`` incidents in one module, run it in float32 outside
     autocast for the rest of the run (0 = never)."""
@@ -151,6 +163,11 @@ class Config:
         _positive_int(self, "flight_recorder", minimum=0)
         _positive_int(self, "max_bundles", minimum=0)
         _positive_int(self, "precision_fallback_after", minimum=0)
+        _positive_int(self, "rollback_interval", minimum=1)
+        _positive_int(self, "rollback_keep", minimum=1)
+        _positive_int(self, "rollback_max_retries", minimum=0)
+        if self.rollback_where not in ("memory", "disk"):
+            raise ValueError(f"Config.rollback_where must be 'memory' or 'disk', got {self.rollback_where!r}")
         if self.spike_warmup > self.spike_window:
             raise ValueError(
                 f"Config.spike_warmup ({self.spike_warmup}) must not exceed "

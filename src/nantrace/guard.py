@@ -54,6 +54,7 @@ from .errors import NonFiniteError
 from .incident import Incident
 from .response.policies import action_for
 from .response.precision import PrecisionFallback
+from .response.rollback_policy import RollbackPolicy
 from .storage.runstore import RunStore
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -132,6 +133,7 @@ class Guard:
         self._last_row: dict[str, Any] | None = None
         self.monitors: list[Monitor] = []
         self.precision = PrecisionFallback(self.root, config.precision_fallback_after)
+        self.rollback = RollbackPolicy(self) if on_anomaly == "rollback" and optimizer is not None else None
         self._owner_thread = threading.get_ident()
         self._recorder: deque[dict[str, Any]] = deque(maxlen=config.flight_recorder)
         self._loss_spikes = RobustSpikeDetector(
@@ -381,6 +383,8 @@ class Guard:
         agreement = None
         if self.world_size > 1:
             agreement, finding = self._agree(health, finding, device=grads[0].device if grads else torch.device("cpu"))
+        if finding is None and self.rollback is not None:
+            self.rollback.before_healthy_update(self.step)
         scaler_skip = via_scaler and not health.grads_finite and finding is None
         incident = None
         block = False
@@ -467,8 +471,11 @@ class Guard:
             if note:
                 incident.details["precision_fallback"] = note
                 incident.fix = f"{incident.fix} (Done: {note}.)"
-        if self.policy == "pause" or (self.config.save_bundle and self.store is not None and incident.kind.startswith("nonfinite")):
-            self._write_bundle(incident)
+        if incident.action in ("paused", "rolled_back") or (
+                self.config.save_bundle and self.store is not None and incident.kind.startswith("nonfinite")):
+            self._write_bundle(incident)  # before any rollback: the bundle holds the failing step's own state
+        if incident.action == "rolled_back" and not (self.rollback is not None and self.rollback.roll_back(incident)):
+            incident.action = "paused"
         self._record(incident)
         if incident.action in ("raised", "paused"):
             self._finish_step(decision, raised=True)
@@ -558,6 +565,11 @@ class Guard:
         self._decision = None
         self._unscaled = False
 
+    def add_scheduler(self, scheduler: Any) -> None:
+        """Declare an LR scheduler for ``rollback`` to restore (those driving the optimizer are found on their own)."""
+        if self.rollback is not None:
+            self.rollback.add_scheduler(scheduler)
+
     def add_monitor(self, monitor: Monitor) -> None:
         """Attach a training-dynamics monitor (see ``nantrace.dynamics``); it is detached by ``close()``."""
         monitor.attach(self)
@@ -627,6 +639,8 @@ class Guard:
         for monitor in self.monitors:
             monitor.detach()
         self.precision.close()
+        if self.rollback is not None:
+            self.rollback.close()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

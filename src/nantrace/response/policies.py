@@ -8,9 +8,9 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..diagnosis.triage import Finding
 
-POLICIES = ("skip", "raise", "pause")
+POLICIES = ("skip", "raise", "rollback", "pause")
 """``skip``: drop the update and go on; ``raise``: raise NonFiniteError before any change;
-``pause``: write the incident bundle, then raise."""
+``rollback``: restore the last good snapshot and go on; ``pause``: write the incident bundle, then raise."""
 
 
 def action_for(policy: str, finding: "Finding | None", *, finite_trouble: bool, config: "Config") -> str:
@@ -23,6 +23,8 @@ def action_for(policy: str, finding: "Finding | None", *, finite_trouble: bool, 
         return "raised"
     if policy == "pause":
         return "paused"
+    if policy == "rollback":
+        return "rolled_back"
     if finding is not None and finding.kind == "nonfinite_param":
         # The parameters are already non-finite: dropping this update cannot repair them.
         return "raised"
