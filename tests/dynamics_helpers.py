@@ -14,11 +14,19 @@ import nantrace
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+_DYNAMICS_DEFAULTS = {f: getattr(nantrace.Config(), f) for f in (
+    "layer_stats_every", "update_stats_every", "activation_stats_every", "optimizer_stats_every", "logit_stats_every",
+    "early_warnings", "clip_stats")}
+
+
 def quiet(**overrides: Any) -> nantrace.Config:
-    """Default config, no console output, finite anomalies only logged (so they never block an update)."""
-    values: dict[str, Any] = dict(print_incidents=False, finite_anomaly_action="log")
+    """The guard's non-finite checks only (``minimal``: no spike detection, no replay captures,
+    which these tests do not need and which cost most of a tiny model's step) with every
+    training-dynamics statistic at its default; no console output; finite anomalies only logged."""
+    values: dict[str, Any] = dict(_DYNAMICS_DEFAULTS, print_incidents=False, finite_anomaly_action="log",
+                                  localise=False)
     values.update(overrides)
-    return nantrace.Config(**values)
+    return nantrace.Config.preset("minimal", **values)
 
 
 def relu_mlp(seed: int = 0, width: int = 32, depth: int = 3, classes: int = 5) -> nn.Sequential:

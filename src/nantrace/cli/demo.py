@@ -71,11 +71,11 @@ def demo(
     CONSOLE.print(f"Run directory: [bold]{out}[/bold] (run store {out / 'nantrace.db'})")
     bundles = [i.bundle for i in guard.incidents if i.bundle]
     if bundles:
-        CONSOLE.print(f"Reproduce the failure anywhere: [bold]nantrace replay {bundles[0]}[/bold]")
+        CONSOLE.print(f"Reproduce the failure anywhere: [bold]nantrace replay {bundles[0]}[/bold]", soft_wrap=True)
     if report:
         try:
             from ..report.render import render_report
         except ImportError:
             return
         path = render_report(out, out / "report.html")
-        CONSOLE.print(f"Report: [bold]{path}[/bold]")
+        CONSOLE.print(f"Report: [bold]{path}[/bold]", soft_wrap=True)
