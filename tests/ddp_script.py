@@ -19,7 +19,15 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    ddp = DDP(model)
+    if scenario.startswith("fsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        ddp = fully_shard(model)
+    else:
+        ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     guard = nantrace.watch(ddp, opt, run_dir=f"{out_dir}/run", on_anomaly=policy,
                            config=nantrace.Config(print_incidents=False))
@@ -30,7 +38,7 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
     for step in range(steps):
         x = torch.randn(16, 8, generator=gen)
         y = x @ w + 0.1 * torch.randn(16, 1, generator=gen)
-        if rank == 1 and step == 3 and scenario == "nan_input_rank1":
+        if rank == 1 and step == 3 and scenario in ("nan_input_rank1", "fsdp_nan_input_rank1"):
             x[2, 5] = float("nan")
         if rank == 1 and step == 45 and scenario == "loss_spike_rank1":
             y = y * 100
@@ -42,7 +50,7 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
             raised = exc.incident.kind
             break
     guard.close()
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten() for p in model.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(2)]
     dist.all_gather(gathered, flat)
     result = {
@@ -54,6 +62,7 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
         "raised": raised,
         "local_grad_check": guard.checks_local_grads,
         "run_dir": guard.run_dir,
+        "sharded": guard.sharded,
     }
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)

@@ -58,3 +58,13 @@ def test_raise_policy_raises_on_every_rank_without_hanging(tmp_path):
     results = _torchrun(tmp_path, "nan_input_rank1", policy="raise")
     assert [r["raised"] for r in results] == ["nonfinite_grad", "nonfinite_input"]
     assert all(r["replicas_equal"] for r in results)
+
+
+def test_fsdp2_nan_on_rank1_is_attributed_and_every_rank_skips(tmp_path):
+    results = _torchrun(tmp_path, "fsdp_nan_input_rank1")
+    for res in results:
+        assert res["sharded"] and res["replicas_equal"] and res["finite"] and res["steps"] == 8
+        [incident] = [i for i in res["incidents"] if i[1].startswith("nonfinite")]
+        assert (incident[0], incident[2], incident[3]) == (3, 1, "skipped")
+    assert results[1]["incidents"][0][1] == "nonfinite_input"
+    assert results[0]["incidents"][0][1] == "nonfinite_grad"

@@ -150,6 +150,8 @@ class Guard:
         params = self._optimizer_params() if optimizer is not None else [p for p in self.root.parameters()]
         self._params: list[torch.Tensor] = [p for p in params if p.requires_grad]
         self._param_names: list[str] = [names.get(id(p), f"param[{i}]") for i, p in enumerate(self._params)]
+        self.sharded = any(hasattr(p, "to_local") for p in self._params)
+        """Parameters are DTensor shards (FSDP2): norms are combined across ranks; no replay."""
         self.store: RunStore | None = None
         try:
             if self.run_dir is not None:
@@ -372,6 +374,8 @@ class Guard:
             scale=getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() else None,
             grads_scaled=grads_scaled and self.scaler is not None,
         )
+        if self.sharded and self.world_size > 1:
+            _combine_shards(health, device=grads[0].device if grads else torch.device("cpu"))
         finding = triage(
             health,
             step=self.step,
@@ -461,7 +465,10 @@ class Guard:
         """Localise (when enabled), keep, store and print the incident; raise if the policy says so."""
         origins = incident.details.get("origin_ranks")
         here = origins is None or self.rank in origins
-        if self.config.localise and here and incident.kind.startswith("nonfinite") and incident.kind != "nonfinite_param" \
+        if self.sharded:
+            incident.details["localisation"] = ("not replayed: under FSDP2 the forward issues collectives, which a "
+                                                "replay on one rank would deadlock")
+        elif self.config.localise and here and incident.kind.startswith("nonfinite") and incident.kind != "nonfinite_param" \
                 and "peer_rank" not in incident.details:
             from .localisation.localiser import localise_incident
 
@@ -471,8 +478,8 @@ class Guard:
             if note:
                 incident.details["precision_fallback"] = note
                 incident.fix = f"{incident.fix} (Done: {note}.)"
-        if incident.action in ("paused", "rolled_back") or (
-                self.config.save_bundle and self.store is not None and incident.kind.startswith("nonfinite")):
+        if not self.sharded and (incident.action in ("paused", "rolled_back") or (
+                self.config.save_bundle and self.store is not None and incident.kind.startswith("nonfinite"))):
             self._write_bundle(incident)  # before any rollback: the bundle holds the failing step's own state
         if incident.action == "rolled_back" and not (self.rollback is not None and self.rollback.roll_back(incident)):
             incident.action = "paused"
@@ -668,6 +675,18 @@ class Guard:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"<nantrace.Guard {state} step={self.step} incidents={len(self.incidents)} policy={self.policy!r}>"
+
+
+def _combine_shards(health: StepHealth, *, device: torch.device) -> None:
+    """Global gradient and parameter norms from each rank's shard norms (one all-reduce); NaN propagates."""
+    squares = torch.tensor([(health.grad_norm or 0.0) ** 2, (health.param_norm or 0.0) ** 2], dtype=torch.float64,
+                           device=device)
+    torch.distributed.all_reduce(squares)
+    g2, p2 = squares.tolist()
+    if health.grad_norm is not None:
+        health.grad_norm = g2 ** 0.5
+    if health.param_norm is not None:
+        health.param_norm = p2 ** 0.5
 
 
 def _bad_inputs(capture: StepCapture) -> list[dict[str, Any]]:

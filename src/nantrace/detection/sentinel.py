@@ -43,10 +43,16 @@ class StepHealth:
         return self.param_norm is None or math.isfinite(self.param_norm)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2); the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Per-tensor L2 norms in float32, grouped by device (foreach kernels need one device)."""
     if not tensors:
         return []
+    tensors = [local(t) for t in tensors]
     try:
         return list(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
     except (RuntimeError, TypeError):
@@ -117,11 +123,11 @@ def measure(
 
 
 def _exactly_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    return all(bool(torch.isfinite(local(t)).all()) for t in tensors)
 
 
 def _norms64(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
+    return [torch.linalg.vector_norm(local(t), dtype=torch.float64) for t in tensors]
 
 
 def _pick_device(*groups: Sequence[torch.Tensor]) -> torch.device:
@@ -137,7 +143,7 @@ def nonfinite_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> list[dict[st
     for name, t in named:
         if not (t.is_floating_point() or t.is_complex()):
             continue
-        t = t.detach()
+        t = local(t.detach())
         nan = int(torch.isnan(t).sum())
         inf = int(torch.isinf(t).sum())
         if nan or inf:
