@@ -26,7 +26,7 @@ def test_version():
 def test_help_lists_the_commands():
     proc = _nantrace("--help")
     assert proc.returncode == 0
-    for command in ("demo", "replay", "report", "run"):
+    for command in ("check", "demo", "replay", "report", "run"):
         assert command in proc.stdout
 
 

@@ -173,7 +173,7 @@ def test_unknown_policy_is_a_usage_error(tmp_path):
     script = tmp_path / "t.py"
     script.write_text("")
     result = _invoke("--on-anomaly", "later", str(script))
-    assert result.exit_code == 2 and "unknown policy 'later'; expected one of skip, raise, pause" in result.output
+    assert result.exit_code == 2 and "unknown policy 'later'; expected one of skip, raise, rollback, pause" in result.output
 
 
 def test_default_run_dir_is_named_after_the_script(tmp_path, monkeypatch):

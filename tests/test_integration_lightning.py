@@ -224,7 +224,7 @@ def test_healthy_fit_raises_no_incident(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        (dict(on_anomaly="explode"), ValueError, "NanTraceCallback: unknown on_anomaly 'explode'; expected one of 'skip', 'raise', 'pause'"),
+        (dict(on_anomaly="explode"), ValueError, "NanTraceCallback: unknown on_anomaly 'explode'; expected one of 'skip', 'raise', 'rollback', 'pause'"),
         (dict(optimizer=None), TypeError, "NanTraceCallback: unknown argument(s) 'optimizer'; expected any of run_dir, on_anomaly, config"),
         (dict(config={}), TypeError, "NanTraceCallback: config must be a nantrace.Config, got dict"),
     ],

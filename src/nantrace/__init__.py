@@ -6,27 +6,50 @@ Usage::
     guard = nantrace.watch(model, optimizer, run_dir="runs/nantrace")
     ...  # the training loop, unchanged
     guard.close()
+
+The public names load on first use, so ``import nantrace`` (and the pytest plugin) stays
+cheap until something is actually used.
 """
 
-from .config import Config
-from .errors import NonFiniteError
-from .guard import Guard
-from .watch import watch
-from .incident import ACTIONS, CAUSES, KINDS, PHASES, Incident
-from .replay import replay
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ACTIONS",
-    "CAUSES",
-    "Config",
-    "Guard",
-    "Incident",
-    "KINDS",
-    "NonFiniteError",
-    "PHASES",
-    "__version__",
-    "replay",
-    "watch",
-]
+_EXPORTS = {
+    "watch": "._watch",
+    "Guard": ".guard",
+    "Config": ".config",
+    "Incident": ".incident",
+    "KINDS": ".incident",
+    "CAUSES": ".incident",
+    "PHASES": ".incident",
+    "ACTIONS": ".incident",
+    "NonFiniteError": ".errors",
+    "replay": "._replay",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .errors import NonFiniteError
+    from .guard import Guard
+    from .incident import ACTIONS, CAUSES, KINDS, PHASES, Incident
+    from ._replay import replay
+    from ._watch import watch
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nantrace' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

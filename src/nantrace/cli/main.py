@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .. import __version__
-from . import demo, replay, report, run
+from . import check, demo, replay, report, run
 
 app = typer.Typer(
     name="nantrace",
@@ -29,6 +29,7 @@ def _root(
     """Find, explain and survive numerical failures in PyTorch training."""
 
 
+app.command("check")(check.check_command)
 app.command("demo")(demo.demo)
 app.command("replay")(replay.replay_command)
 app.command("report")(report.report_command)

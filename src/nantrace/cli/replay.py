@@ -18,7 +18,7 @@ def replay_command(
     as_json: bool = typer.Option(False, "--json", help="Print the new diagnosis as JSON instead of a panel."),
 ) -> None:
     """Re-run the failing step from BUNDLE_DIR in this process and print the diagnosis."""
-    from ..replay import replay
+    from .._replay import replay
 
     try:
         incident = replay(bundle_dir, model)

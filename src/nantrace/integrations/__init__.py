@@ -30,7 +30,7 @@ __all__: list[str] = []  # the public names live in the submodules (lightning, h
 
 def watch_keywords() -> tuple[str, ...]:
     """The keyword-only arguments of ``nantrace.watch`` a callback passes through."""
-    from ..watch import watch
+    from .._watch import watch
 
     return tuple(n for n, p in inspect.signature(watch).parameters.items() if p.kind is p.KEYWORD_ONLY)
 

@@ -75,7 +75,7 @@ def build_model(bundle: Bundle, model: nn.Module | str | None = None) -> nn.Modu
 
 def replay(bundle_dir: str | os.PathLike[str], model: nn.Module | str | None = None, *, config: Config | None = None) -> Incident:
     """Replay the failing step of a bundle; returns a fresh diagnosis (compare with the saved one)."""
-    from .watch import watch
+    from ._watch import watch
     from .localisation.localiser import localise_incident
 
     bundle = load_bundle(bundle_dir)
