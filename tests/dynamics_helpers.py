@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pytest
+
 import nantrace
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -73,7 +75,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Callable[
           config: nantrace.Config, *, run_dir: Any = None, before_step: Callable[[int], None] | None = None,
           clip: float | None = None, loss_scale: Callable[[int], float] | None = None,
           scheduler: Any = None, input_dtype: torch.dtype | None = None) -> nantrace.Guard:
-    """A plain loop under watch(); returns the closed guard."""
+    """A plain loop under watch(); returns the closed guard (a ``NonFiniteError`` ends the loop early)."""
     guard = nantrace.watch(model, optimizer, run_dir=run_dir, config=config)
     try:
         for step in range(steps):
@@ -89,7 +91,10 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Callable[
             loss.backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
+            try:
+                optimizer.step()
+            except nantrace.NonFiniteError:
+                break
             if scheduler is not None:
                 scheduler.step()
     finally:
@@ -100,3 +105,12 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Callable[
 def kinds(guard: nantrace.Guard, exclude: tuple[str, ...] = ("loss_spike", "grad_explosion")) -> list[tuple[int, str]]:
     """(step, kind) of the guard's incidents, leaving out the guard's own spike findings."""
     return [(i.step, i.kind) for i in guard.incidents if i.kind not in exclude]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are tiny: one intra-op thread is faster, and far faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

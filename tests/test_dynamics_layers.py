@@ -13,7 +13,7 @@ from torch import nn
 
 import nantrace
 from conftest import assert_unhooked
-from dynamics_helpers import classification_batches, quiet, relu_mlp, train
+from dynamics_helpers import _one_thread, classification_batches, quiet, relu_mlp, train  # noqa: F401
 from nantrace.dynamics._common import MonitorFailedWarning
 from nantrace.dynamics._layers import LayerIndex
 from nantrace.dynamics.layers import LayerStatsMonitor

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nantrace
-from dynamics_helpers import classification_batches, image_batches, kinds, quiet, relu_mlp, small_cnn, train
+from dynamics_helpers import _one_thread, classification_batches, image_batches, kinds, quiet, relu_mlp, small_cnn, train  # noqa: F401
 from nantrace.demo.data import make_batch
 from nantrace.demo.model import DemoTransformer
 from nantrace.dynamics._common import MonitorFailedWarning
@@ -93,9 +93,9 @@ def _cnn_run(seed: int, steps: int):
 
 def _transformer_run(seed: int, steps: int):
     torch.manual_seed(seed)
-    model = DemoTransformer(dim=32, layers=2)
+    model = DemoTransformer(dim=32, layers=2, max_len=16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    return train(model, opt, lambda s: make_batch(s + 7919 * seed), steps, _HEALTHY, clip=1.0)
+    return train(model, opt, lambda s: make_batch(s + 7919 * seed, batch=8, max_len=16), steps, _HEALTHY, clip=1.0)
 
 
 @pytest.mark.parametrize(("run", "seed", "steps"), [

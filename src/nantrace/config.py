@@ -126,8 +126,11 @@ class Config:
     """Logit saturation of the model's classification output every this many steps; 0 = off."""
 
     early_warnings: bool = True
-    """Report trends that come before a NaN: growing gradient/weight ratios, update ratios too
-    large for long, a layer whose gradient vanishes (incidents with action ``logged``)."""
+    """Report what the statistics show coming before a NaN, as incidents with action ``logged``:
+    growing gradient/weight ratios, update ratios too large for long, a vanishing layer, degenerate
+    Adam state, saturated logits, miscalibrated clipping. Off: the statistics are still kept
+    (run store, TensorBoard, ``nantrace.dynamics.summary``) but nothing is reported. The
+    ``lr_schedule`` check reports whenever a schedule is declared."""
 
     dynamics_warmup: int = 100
     """Steps before early warnings start judging: the first steps of a run are legitimately wild."""

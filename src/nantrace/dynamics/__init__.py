@@ -23,7 +23,14 @@ from .base import Monitor, Signal, StepContext
 if TYPE_CHECKING:
     from ..guard import Guard
 
-__all__ = ["Monitor", "Signal", "StepContext", "summary"]
+__all__ = ["DYNAMICS_CAUSES", "DYNAMICS_KINDS", "Monitor", "Signal", "StepContext", "summary"]
+
+DYNAMICS_KINDS = ("grad_growth", "update_ratio", "vanishing_gradient", "lr_schedule", "clipping", "logit_saturation")
+"""Incident kinds that only the training-dynamics monitors report (always with action ``logged``);
+they also report ``optimizer_state``, a kind the guard uses too."""
+
+DYNAMICS_CAUSES = ("update_too_large", "vanishing_gradient", "lr_schedule_mismatch", "clip_threshold", "logit_saturation")
+"""Cause codes that only the training-dynamics monitors use (early warnings, nothing non-finite yet)."""
 
 _KEYS = {
     "LayerStatsMonitor": "layers",

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..capture import floating_tensors
-from ._common import SafeMonitor, is_sampled
+from ._common import SafeMonitor, is_sampled, store_transaction
 from ._readback import DeferredRead
 from .base import Signal, StepContext
 
@@ -149,7 +149,8 @@ class ActivationMonitor(SafeMonitor):
         self.latest = ActivationFigures(step, rows)
         store = self.guard.store
         if store is not None:
-            store.log_activation_stats(step, rows)
+            with store_transaction(store):
+                store.log_activation_stats(step, rows)
 
     def _detach(self) -> None:
         self._uninstall()

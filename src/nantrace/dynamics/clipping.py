@@ -173,9 +173,10 @@ class ClipMonitor(SafeMonitor):
 
     name = "clipping statistics"
 
-    def __init__(self, *, warmup: int, flush_every: int = 32) -> None:
+    def __init__(self, *, warmup: int, flush_every: int = 32, warn: bool = True) -> None:
         super().__init__()
         self.warmup = warmup
+        self.warn = warn
         self.flush_every = flush_every
         self.calls = 0
         self.clip_steps = 0
@@ -222,7 +223,7 @@ class ClipMonitor(SafeMonitor):
 
     def _on_step(self, ctx: StepContext) -> list[Signal]:
         signals: list[Signal] = []
-        if self._scaled_call and "scaled" not in self._fired:
+        if self._scaled_call and "scaled" not in self._fired and self.warn:
             self._fired.add("scaled")
             signals.append(self._scaled_signal())
         self._scaled_call = False
@@ -274,7 +275,9 @@ class ClipMonitor(SafeMonitor):
 
     # -------------------------------------------------------------- judgements
     def _judge(self) -> list[Signal]:
-        signals = []
+        signals: list[Signal] = []
+        if not self.warn:
+            return signals
         if ("always" not in self._fired and len(self._recent) >= _ALWAYS_WINDOW
                 and sum(self._recent) >= _ALWAYS_FRACTION * len(self._recent)):
             self._fired.add("always")
@@ -316,6 +319,9 @@ class ClipMonitor(SafeMonitor):
 
     def _detach(self) -> None:
         try:
+            if self._step_calls:  # clipped after the last step: counted, not judged healthy
+                calls, self._step_calls = self._step_calls, []
+                self._unread.append((self.guard.step, False, [m for _, m in calls], [t for t, _ in calls]))
             if self._reading is not None:
                 self._finish(*self._reading)
                 self._reading = None

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ._common import SafeMonitor, is_sampled
+from ._common import SafeMonitor, is_sampled, store_transaction
 from ._layers import LayerIndex
 from ._readback import DeferredRead, stack_on
 from .base import Signal, StepContext
@@ -182,7 +182,8 @@ class LayerStatsMonitor(SafeMonitor):
     def _write(self, figures: LayerFigures) -> None:
         store = self.guard.store
         if store is not None:
-            store.log_layer_stats(figures.step, figures.rows())
+            with store_transaction(store):
+                store.log_layer_stats(figures.step, figures.rows())
 
     def _detach(self) -> None:
         if self._pending is not None:

@@ -93,9 +93,10 @@ class LogitSaturationMonitor(SafeMonitor):
 
     name = "logit saturation"
 
-    def __init__(self, *, every: int, warmup: int, label_smoothing: float) -> None:
+    def __init__(self, *, every: int, warmup: int, label_smoothing: float, warn: bool = True) -> None:
         super().__init__()
         self.every = every
+        self.warn = warn
         self.warmup = warmup
         self.label_smoothing = label_smoothing
         self.latest: LogitFigures | None = None
@@ -177,7 +178,7 @@ class LogitSaturationMonitor(SafeMonitor):
         return None
 
     def _judge(self, f: LogitFigures) -> list[Signal]:
-        if self._fired or f.step < self.warmup:
+        if self._fired or f.step < self.warmup or not self.warn:
             return []
         reason = self._reason(f)
         self._run = self._run + 1 if reason else 0

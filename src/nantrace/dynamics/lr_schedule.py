@@ -33,7 +33,7 @@ import copy
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -224,7 +224,13 @@ class LRScheduleMonitor(SafeMonitor):
         if self.spec is None and _is_scheduler(self.schedule):
             if self.schedule.optimizer is not optimizer:
                 raise ValueError("Config.lr_schedule: the LR scheduler given drives another optimizer than the one watched")
-            self.track = _SchedulerTrack(self.schedule)
+            try:
+                self.track = _SchedulerTrack(self.schedule)
+            except Exception as exc:  # noqa: BLE001 - e.g. a lambda bound to an object that cannot be copied
+                warnings.warn(f"nantrace: Config.lr_schedule: the scheduler cannot be copied to follow it ({exc!r}); the "
+                              f"schedule check is off. Declare the schedule as a dict or a callable step -> lr instead.",
+                              RuntimeWarning, stacklevel=4)
+                self.active = False
 
     # ------------------------------------------------------------------ meant
     def meant(self, step: int) -> list[float]:

@@ -94,9 +94,10 @@ class OptimizerStateMonitor(SafeMonitor):
 
     name = "optimizer state"
 
-    def __init__(self, *, every: int, warmup: int) -> None:
+    def __init__(self, *, every: int, warmup: int, warn: bool = True) -> None:
         super().__init__()
         self.every = every
+        self.warn = warn
         self.warmup = warmup
         self.index = LayerIndex([])
         self.latest: AdamFigures | None = None
@@ -121,7 +122,8 @@ class OptimizerStateMonitor(SafeMonitor):
             self._applied += 1
         if not self._static_done and self._applied:
             self._static_done = True
-            signals += self._check_eps()
+            if self.warn:
+                signals += self._check_eps()
         if self._pending is not None:
             signals += self._finish(*self._pending)
             self._pending = None
@@ -178,6 +180,8 @@ class OptimizerStateMonitor(SafeMonitor):
         present = self.index.present(which)
         nonfinite = present & ~(np.isfinite(m_norm) & np.isfinite(v_norm))
         self.latest = AdamFigures(step, m_norm, v_min, np.where(present, underflow, np.nan), nonfinite, present)
+        if not self.warn:
+            return []
         return self._judge(step, m_norm, underflow, nonfinite, present)
 
     def _numel(self, i: int) -> int:
@@ -289,7 +293,9 @@ class OptimizerStateMonitor(SafeMonitor):
         )]
 
     def _detach(self) -> None:
-        self._pending = None
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._finish(*pending)  # figures only: signals after the last step are not reported
 
     def summary(self) -> dict[str, Any]:
         if self.latest is None:

@@ -42,12 +42,13 @@ def build_monitors(config: "Config") -> list["Monitor"]:
     if config.activation_stats_every:
         peers["activations"] = ActivationMonitor(every=config.activation_stats_every)
     if config.optimizer_stats_every:
-        peers["optimizer_state"] = OptimizerStateMonitor(every=config.optimizer_stats_every, warmup=config.dynamics_warmup)
+        peers["optimizer_state"] = OptimizerStateMonitor(every=config.optimizer_stats_every, warmup=config.dynamics_warmup,
+                                                         warn=config.early_warnings)
     if config.logit_stats_every:
         peers["logits"] = LogitSaturationMonitor(every=config.logit_stats_every, warmup=config.dynamics_warmup,
-                                                 label_smoothing=float(config.label_smoothing))
+                                                 label_smoothing=float(config.label_smoothing), warn=config.early_warnings)
     if config.clip_stats:
-        peers["clipping"] = ClipMonitor(warmup=config.dynamics_warmup)
+        peers["clipping"] = ClipMonitor(warmup=config.dynamics_warmup, warn=config.early_warnings)
     monitors.extend(peers.values())
     if config.lr_schedule is not None:
         monitors.append(LRScheduleMonitor(schedule=config.lr_schedule, tolerance=float(config.lr_tolerance)))
