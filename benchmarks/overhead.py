@@ -74,9 +74,15 @@ DEFAULT_STEPS = {"gpt": 5, "cnn": 15, "mlp": 30}
 DEFAULT_ROUNDS = 24
 N_BATCHES = 16
 LR = 3e-4
-MEM_CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-"""glibc: every allocation >= 64 KiB is its own mmap, unmapped when freed, so RSS follows the
-live tensors instead of what the allocator keeps (and the fixed threshold makes it repeatable)."""
+TIMING_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+"""glibc settings for every timed process: a fixed mmap threshold (32 MiB, glibc's maximum) and
+no trimming, so freed tensor memory is reused without page faults. glibc's default adapts
+its thresholds to each process's allocation history, which left some processes re-faulting
+~2,000 pages per step (MLP: ~30% slower) and others not: a per-process bias larger than
+the effects measured here. Fixed, every process behaves alike, as in a long-running job."""
+MEM_CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
+"""glibc for the memory subprocesses: every allocation >= 64 KiB is its own mmap, unmapped when
+freed, so RSS follows the live tensors instead of what the allocator keeps (repeatably)."""
 
 
 # =========================================================================== cleanliness
@@ -332,12 +338,16 @@ class Worker:
                                      text=True, bufsize=1)
         self.ready = self._reply()
 
+    def _died(self) -> RuntimeError:
+        self.proc.wait()
+        self.stderr.seek(0)
+        return RuntimeError(f"{self.variant} worker died (exit code {self.proc.returncode}):\n{self.stderr.read()[-6000:]}")
+
     def _reply(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            self.stderr.seek(0)
-            raise RuntimeError(f"{self.variant} worker died:\n{self.stderr.read()[-4000:]}")
+            raise self._died()
         msg = json.loads(line)
         if "error" in msg:
             raise RuntimeError(f"{self.variant} worker failed:\n{msg['error']}")
@@ -345,8 +355,11 @@ class Worker:
 
     def request(self, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            raise self._died() from None
         return self._reply()
 
     def close(self) -> None:
@@ -367,6 +380,9 @@ def worker_main(name: str, variant: str, seed: int) -> int:
         proto.flush()
 
     try:
+        import nantrace  # noqa: F401  every worker imports the same modules (nothing is hooked by importing)
+        import transformers.debug_utils  # noqa: F401
+
         runner = make_runner(CASES[name], variant, seed)
         runner.attach()
         send({"ready": True, "pid": os.getpid(), "attach_ms": runner.attach_ms[-1]})
@@ -693,6 +709,7 @@ def environment(threads_set: int | None) -> dict[str, Any]:
         "torch_interop_threads": torch.get_num_interop_threads(),
         "threads_set_by_flag": threads_set,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "malloc_env": {k: os.environ.get(k) for k in TIMING_MALLOC_ENV},
     }
     with contextlib.suppress(Exception):
         import hashlib
@@ -826,6 +843,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mem-steps", type=int, default=10, help="training steps in each memory subprocess (default 10)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also cProfile STEPS steps of the nantrace variant per model and print where its time goes (default off)")
+    p.add_argument("--fixed-malloc", action=argparse.BooleanOptionalAction, default=True,
+                   help="re-run under fixed glibc malloc settings (see TIMING_MALLOC_ENV) so every process allocates "
+                        "alike (default on; --no-fixed-malloc keeps the environment's)")
     p.add_argument("--quiet", action="store_true", help="no per-round progress lines on stderr")
     p.add_argument("--_mem-child", nargs=2, metavar=("MODEL", "VARIANT"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--_worker", nargs=2, metavar=("MODEL", "VARIANT"), default=None, help=argparse.SUPPRESS)
@@ -848,6 +868,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if (argv is None and args.fixed_malloc and not args._worker and not args._mem_child
+            and any(os.environ.get(k) != v for k, v in TIMING_MALLOC_ENV.items())):
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **TIMING_MALLOC_ENV})
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*[Aa]nomaly [Dd]etection.*")

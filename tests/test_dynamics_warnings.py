@@ -158,19 +158,16 @@ def test_a_dead_relu_layer_is_reported_as_vanishing() -> None:
     assert "dead ReLU" in incident.fix and incident.cause == "vanishing_gradient"
 
 
-def test_a_diverging_run_warns_of_growing_gradients_before_the_nan() -> None:
-    """An LR that keeps rising (a schedule bug) makes the gradient/weight ratio grow for a hundred
-    steps before anything is non-finite."""
-    model = relu_mlp(0, width=64)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def ramp(step: int) -> None:
-        for group in opt.param_groups:
-            group["lr"] = 0.01 * 1.03 ** step
-
-    guard = train(model, opt, classification_batches(), 170, quiet(dynamics_warmup=50), before_step=ramp)
+def test_growing_gradients_are_reported_well_before_the_nan() -> None:
+    """From step 120 a loss term's weight grows 5% per step (a schedule bug): gradients grow
+    relative to the weights for a hundred steps before anything is non-finite, too slowly for
+    a spike detector, steadily enough for the trend."""
+    model = relu_mlp(0, width=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = train(model, opt, classification_batches(), 280, quiet(), loss_scale=lambda s: 1.05 ** max(0, s - 120))
     growth = [i for i in guard.incidents if i.kind == "grad_growth"]
-    assert len(growth) == 1 and growth[0].cause == "gradient_explosion"
-    first_nonfinite = min((i.step for i in guard.incidents if i.kind.startswith("nonfinite")), default=math.inf)
-    assert growth[0].step < first_nonfinite
+    first_nonfinite = min(i.step for i in guard.incidents if i.kind.startswith("nonfinite"))
+    assert growth and growth[0].cause == "gradient_explosion" and growth[0].action == "logged"
+    assert 120 < growth[0].step < first_nonfinite - 50
     assert growth[0].details["growth"][growth[0].module] >= 10
+    assert len({i.module for i in growth}) == len(growth)  # once per layer

@@ -41,10 +41,9 @@ def output_stats(outputs: list[torch.Tensor]) -> torch.Tensor | None:
     for t in outputs:
         if t.numel() == 0:
             continue
-        t = t.detach()
-        finite = torch.isfinite(t)
-        absmax = torch.where(finite, t.abs(), 0).amax().to(torch.float64)
-        nonfinite = (t.numel() - finite.sum()).to(torch.float64)
+        magnitude = t.detach().abs()  # (torch.isfinite is many times slower than these on the CPU)
+        nonfinite = (t.numel() - (magnitude < float("inf")).sum()).to(torch.float64)  # NaN < inf is False
+        absmax = magnitude.nan_to_num(0.0, 0.0, 0.0).amax().to(torch.float64)
         parts.append(torch.stack([absmax, nonfinite.to(absmax.device)]))
     if not parts:
         return None

@@ -50,6 +50,8 @@ _NEVER_MARGIN = 10.0
 _SUGGEST_QUANTILE = 0.95
 _KEEP = 8192
 """Pre-clip norms kept for the distribution (the most recent ones)."""
+_META_EVERY = 512
+"""Steps between refreshes of the run-store meta ``clipping`` (and at close)."""
 
 
 def suggest_max_norm(pre_clip_norms: Any, quantile: float = _SUGGEST_QUANTILE) -> float | None:
@@ -193,6 +195,7 @@ class ClipMonitor(SafeMonitor):
         self._fired: set[str] = set()
         self._scaled_call: bool = False
         self._registered = False
+        self._meta_at = -_META_EVERY
 
     def _attach(self, guard: "Guard") -> None:
         self._ids = {id(p) for p in guard._params}
@@ -264,10 +267,15 @@ class ClipMonitor(SafeMonitor):
             if step >= self.warmup:
                 self._recent.append(clipped)
         signals = self._judge()
+        if self.clip_steps - self._meta_at >= _META_EVERY or signals:
+            self._write_meta()
+        return signals
+
+    def _write_meta(self) -> None:
         store = self._store()
         if store is not None:
             store.set_meta("clipping", self.summary())
-        return signals
+        self._meta_at = self.clip_steps
 
     def _store(self) -> Any:
         guard = self._guard_ref() if self._guard_ref is not None else None
@@ -330,6 +338,7 @@ class ClipMonitor(SafeMonitor):
                 assert self._reading is not None
                 self._finish(*self._reading)
                 self._reading = None
+            self._write_meta()
         finally:
             self._uninstall()
 

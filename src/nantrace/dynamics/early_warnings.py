@@ -52,7 +52,7 @@ class WarningSettings:
     """Samples summarised by one history block median."""
     history_blocks: int = 128
     """Block medians kept (older ones are dropped)."""
-    check_every: int = 8
+    check_every: int = 16
     """Judge the gradient trends every this many samples (the update ratio on every sample)."""
 
 
@@ -75,6 +75,9 @@ class LayerWarnings:
         self._block: list[np.ndarray] = []
         self._history_log: deque[np.ndarray] = deque(maxlen=settings.history_blocks)
         self._history_score: deque[np.ndarray] = deque(maxlen=settings.history_blocks)
+        n_layers = len(self.names)
+        self._baseline_log = np.full(n_layers, np.nan)  # lagged medians, refreshed when a block completes
+        self._baseline_score = np.full(n_layers, np.nan)
         self._samples = 0
         self._above_since: list[int | None] = [None] * n
         self._above_count = np.zeros(n, dtype=np.int64)
@@ -86,12 +89,13 @@ class LayerWarnings:
         """One sample of per-layer gradient and parameter norms (NaN where a layer is absent)."""
         if step < self.settings.warmup or len(self.names) == 0:
             return []
-        with np.errstate(divide="ignore", invalid="ignore"):
-            usable = np.isfinite(grad) & np.isfinite(param) & (param > 0)
-            if not np.isfinite(grad[~np.isnan(grad)]).all():
-                return []  # a non-finite step is the guard's business, not a trend
-            ratio = np.where(usable, grad / np.where(usable, param, 1.0), np.nan)
-            log_r = np.log10(ratio)  # exactly zero gradient -> -inf
+        if np.isinf(grad).any():
+            return []  # a non-finite step is the guard's business, not a trend
+        usable = np.isfinite(grad) & np.isfinite(param) & (param > 0)
+        ratio = np.divide(grad, param, out=np.full(len(grad), np.nan), where=usable)
+        log_r = np.full(len(grad), -np.inf)
+        np.log10(ratio, out=log_r, where=ratio > 0)  # exactly zero gradient -> -inf
+        log_r[~usable] = np.nan
         self._recent.append((step, log_r))
         self._block.append(log_r)
         if len(self._block) >= self.settings.block:
@@ -99,8 +103,13 @@ class LayerWarnings:
             self._history_log.append(_nanmedian(block))
             self._history_score.append(_nanmedian(_scores(block)))
             self._block.clear()
+            if len(self._history_log) >= 3:  # the history without its last two blocks: the level before
+                lagged = list(self._history_log)[:-2]
+                self._baseline_log = _nanmedian(np.stack(lagged))
+                self._baseline_score = _nanmedian(np.stack(list(self._history_score)[:-2]))
         self._samples += 1
-        if self._samples % self.settings.check_every:
+        every = self.settings.check_every
+        if self._samples % every != every // 2:  # half-way between block ends: the recent level is not a block median
             return []
         return self._judge_growth() + self._judge_vanishing()
 
@@ -150,12 +159,11 @@ class LayerWarnings:
         s = self.settings
         if len(self._history_log) < 4 or len(self._recent) < s.recent:
             return []
-        hist = np.stack(self._history_log)
-        baseline = _nanmedian(hist[:-2])
+        baseline = self._baseline_log
         current = _nanmedian(np.stack([r[1] for r in list(self._recent)[-s.recent:]]))
-        last = hist[-3:]
+        last = np.stack(list(self._history_log)[-3:])
         with np.errstate(invalid="ignore"):
-            rising = (np.diff(last, axis=0) > 0).all(axis=0) & (current > last[-1])
+            rising = (np.diff(last, axis=0) > 0).all(axis=0) & (current >= last[-1])
             grew = (current - baseline) >= math.log10(s.growth_factor)
         hits = [i for i in np.flatnonzero(rising & grew & np.isfinite(current) & np.isfinite(baseline))
                 if ("grad_growth", int(i)) not in self._fired]
@@ -197,7 +205,7 @@ class LayerWarnings:
         collapsed = np.zeros(len(self.names), dtype=bool)
         baseline = np.full(len(self.names), np.nan)
         if len(self._history_score) >= 3:
-            baseline = _nanmedian(np.stack(self._history_score)[:-2])
+            baseline = self._baseline_score
             with np.errstate(invalid="ignore"):
                 worst_recent = np.max(np.where(np.isnan(scores), np.inf, scores), axis=0)
                 collapsed = np.isfinite(baseline) & (worst_recent < baseline - s.vanish_decades)
