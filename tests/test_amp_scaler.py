@@ -21,6 +21,15 @@ def _amp_step(model, opt, scaler, x, *, extra=None):
     return loss
 
 
+def _singular(model):
+    """A finite extra loss term whose gradient is NaN (sqrt at exactly 0): gradients overflow at every scale."""
+    def add(loss):
+        out = model(torch.randn(4, 8))
+        return loss + torch.sqrt((out - out.detach()).pow(2).sum())
+
+    return add
+
+
 def test_calibration_skips_are_not_incidents_but_are_recorded(tmp_path, quiet):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -63,9 +72,7 @@ def test_scaler_collapse_when_gradients_overflow_at_every_scale(quiet):
     cfg = quiet.replace(scaler_max_skips=12, scaler_min_scale=0.0)
     guard = nantrace.watch(model, opt, scaler, config=cfg)
 
-    def singular(loss):
-        out = model(torch.randn(4, 8))
-        return loss + torch.sqrt((out - out.detach()).pow(2).sum())
+    singular = _singular(model)
 
     for _ in range(16):
         _amp_step(model, opt, scaler, torch.randn(16, 8), extra=singular)
@@ -82,9 +89,7 @@ def test_scale_floor_triggers_collapse(quiet):
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     guard = nantrace.watch(model, opt, scaler, config=quiet.replace(scaler_min_scale=1.0))
 
-    def singular(loss):
-        out = model(torch.randn(4, 8))
-        return loss + torch.sqrt((out - out.detach()).pow(2).sum())
+    singular = _singular(model)
 
     for _ in range(5):
         _amp_step(model, opt, scaler, torch.randn(16, 8), extra=singular)
