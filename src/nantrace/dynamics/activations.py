@@ -78,13 +78,13 @@ class ActivationMonitor(SafeMonitor):
         self._pending: tuple[int, list[int], DeferredRead] | None = None
 
     def _attach(self, guard: "Guard") -> None:
+        if guard.store is None and guard.config.tensorboard is False:
+            self.active = False  # nowhere to keep the figures: cost nothing
+            return
         if guard.model is not guard.root and hasattr(guard.model, "_orig_mod"):
             warnings.warn("nantrace: activation statistics are off for a torch.compile'd model (hooks would recompile it)",
                           RuntimeWarning, stacklevel=4)
             self.active = False
-            return
-        if guard.store is None and guard.config.tensorboard is False:
-            self.active = False  # nowhere to keep the figures: cost nothing
             return
         named = list(guard.root.named_modules())
         self.names = [n for n, _ in named]
