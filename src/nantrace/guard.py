@@ -19,6 +19,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -559,14 +560,15 @@ class Guard:
             self._recorder.append(row)
         if not skipped:
             self._last_applied = self.step
-        if self.store is not None:
-            self.store.log_step(
-                step=self.step, loss=health.loss, grad_norm=health.grad_norm, param_norm=health.param_norm,
-                lr=self._lrs(), scale=health.scale, skipped=skipped, action=action,
-                incident=decision.incident.id if decision.incident is not None else None,
-            )
-        if self.monitors and not raised:
-            self._run_monitors(decision, applied=not skipped)
+        with self.store.transaction() if self.store is not None else contextlib.nullcontext():  # one commit per step
+            if self.store is not None:
+                self.store.log_step(
+                    step=self.step, loss=health.loss, grad_norm=health.grad_norm, param_norm=health.param_norm,
+                    lr=self._lrs(), scale=health.scale, skipped=skipped, action=action,
+                    incident=decision.incident.id if decision.incident is not None else None,
+                )
+            if self.monitors and not raised:
+                self._run_monitors(decision, applied=not skipped)
         self.step += 1
         self._capture = StepCapture()
         self._decision = None

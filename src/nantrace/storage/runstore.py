@@ -7,11 +7,13 @@ flight. The schema is documented in ``docs/run_store.md``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,20 @@ class RunStore:
                 self.set_meta("created", time.time())
 
     # ----------------------------------------------------------------- writing
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Group writes into one commit (one per step); nests inside an open transaction."""
+        if self._conn.in_transaction:
+            yield
+            return
+        self._conn.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
     def set_meta(self, key: str, value: Any) -> None:
         self._conn.execute(
             "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
