@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -66,6 +67,11 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
     }
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)
+    # Tear down in a fixed order on every rank: no rank leaves while a peer still talks to it,
+    # and no DDP reducer outlives the process group into interpreter shutdown.
+    dist.barrier()
+    del ddp, opt, guard, model
+    gc.collect()
     dist.destroy_process_group()
 
 
