@@ -6,6 +6,7 @@ import gc
 import json
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -50,6 +51,12 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
         except nantrace.NonFiniteError as exc:
             raised = exc.incident.kind
             break
+    layer_norms_match = None
+    layers = next((m for m in guard.monitors if type(m).__name__ == "LayerStatsMonitor"), None)
+    if raised is None and layers is not None and layers.latest is not None:
+        # the per-layer gradient norms of the last step must be the model's, not this rank's shard's
+        full = [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).norm().item() for p in model.parameters()]
+        layer_norms_match = bool(np.allclose(layers.index.combine(full), layers.latest.grad_norm, rtol=1e-5))
     guard.close()
     flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten() for p in model.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(2)]
@@ -64,6 +71,8 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
         "local_grad_check": guard.checks_local_grads,
         "run_dir": guard.run_dir,
         "sharded": guard.sharded,
+        "layer_norms_match": layer_norms_match,
+        "monitor_failures": [f"{m.name}: {m.failed!r}" for m in guard.monitors if getattr(m, "failed", None)],
     }
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)

@@ -34,6 +34,7 @@ def test_nan_on_rank1_only_is_attributed_to_rank1_and_every_rank_skips(tmp_path)
     for res in results:
         assert res["local_grad_check"] is True
         assert res["replicas_equal"] and res["finite"] and res["steps"] == 8
+        assert res["layer_norms_match"] is True and res["monitor_failures"] == []
         [incident] = res["incidents"]
         step, kind, rank, action = incident[:4]
         assert (step, rank, action) == (3, 1, "skipped")
@@ -64,6 +65,8 @@ def test_fsdp2_nan_on_rank1_is_attributed_and_every_rank_skips(tmp_path):
     results = _torchrun(tmp_path, "fsdp_nan_input_rank1")
     for res in results:
         assert res["sharded"] and res["replicas_equal"] and res["finite"] and res["steps"] == 8
+        # per-layer figures are the model's (shard norms combined across ranks), and no monitor broke
+        assert res["layer_norms_match"] is True and res["monitor_failures"] == []
         [incident] = [i for i in res["incidents"] if i[1].startswith("nonfinite")]
         assert (incident[0], incident[2], incident[3]) == (3, 1, "skipped")
     assert results[1]["incidents"][0][1] == "nonfinite_input"

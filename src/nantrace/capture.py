@@ -130,9 +130,19 @@ def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
     return []
 
 
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor, True when every element of ``t`` (non-empty) is finite; no sync.
+
+    One min/max pass: a NaN propagates into both, an infinity lands in one of them. On the
+    CPU this is about ten times cheaper than ``isfinite(t).all()``, which writes a mask.
+    """
+    lo, hi = torch.aminmax(t.detach())
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """A 0-dim bool tensor, True when every element of every tensor is finite; no sync."""
-    flags = [torch.isfinite(t.detach()).all() for t in tensors if t.numel()]
+    flags = [finite_flag(t) for t in tensors if t.numel()]
     if not flags:
         return None
     if len(flags) == 1:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .capture import finite_flag
 from .incident import KINDS
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def install_local_grad_check(guard: "Guard") -> bool:
     def check_then_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP inspects real annotations
         g = guard_ref()
         if g is not None and not g.closed and not g._replaying:
-            g._capture.and_local_grads(torch.isfinite(bucket.buffer()).all())
+            g._capture.and_local_grads(finite_flag(bucket.buffer()))
         return default_hooks.allreduce_hook(state, bucket)
 
     try:

@@ -376,7 +376,8 @@ class Guard:
             grads_scaled=grads_scaled and self.scaler is not None,
         )
         if self.sharded and self.world_size > 1:
-            _combine_shards(health, device=grads[0].device if grads else torch.device("cpu"))
+            _combine_shards(health, grad_index=grad_index, n_params=len(self._params),
+                            device=grads[0].device if grads else torch.device("cpu"))
         finding = triage(
             health,
             step=self.step,
@@ -679,16 +680,31 @@ class Guard:
         return f"<nantrace.Guard {state} step={self.step} incidents={len(self.incidents)} policy={self.policy!r}>"
 
 
-def _combine_shards(health: StepHealth, *, device: torch.device) -> None:
-    """Global gradient and parameter norms from each rank's shard norms (one all-reduce); NaN propagates."""
-    squares = torch.tensor([(health.grad_norm or 0.0) ** 2, (health.param_norm or 0.0) ** 2], dtype=torch.float64,
-                           device=device)
+def _combine_shards(health: StepHealth, *, grad_index: list[int], n_params: int, device: torch.device) -> None:
+    """Global gradient and parameter norms, total and per tensor, from each rank's shard norms.
+
+    One all-reduce of squared norms laid out by parameter index (the same length on every
+    rank, whichever gradients a rank holds), so per-layer figures are the model's, not a
+    shard's. NaN and Inf propagate.
+    """
+    squares = torch.zeros(2 + 2 * n_params, dtype=torch.float64)
+    squares[0] = (health.grad_norm or 0.0) ** 2
+    squares[1] = (health.param_norm or 0.0) ** 2
+    if health.grad_norms:
+        squares[torch.tensor(grad_index, dtype=torch.long) + 2] = torch.tensor(health.grad_norms, dtype=torch.float64) ** 2
+    if len(health.param_norms) == n_params:
+        squares[2 + n_params:] = torch.tensor(health.param_norms, dtype=torch.float64) ** 2
+    squares = squares.to(device)
     torch.distributed.all_reduce(squares)
-    g2, p2 = squares.tolist()
+    host = squares.sqrt().tolist()
     if health.grad_norm is not None:
-        health.grad_norm = g2 ** 0.5
+        health.grad_norm = host[0]
     if health.param_norm is not None:
-        health.param_norm = p2 ** 0.5
+        health.param_norm = host[1]
+    if health.grad_norms:
+        health.grad_norms = [host[2 + i] for i in grad_index]
+    if len(health.param_norms) == n_params:
+        health.param_norms = host[2 + n_params:]
 
 
 def _bad_inputs(capture: StepCapture) -> list[dict[str, Any]]:

@@ -23,6 +23,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 _MAD_TO_SIGMA = 1.4826
 _LEVEL = 16  # recent values that define the current level
 _Q99_TO_SIGMA = 2.576
+_NOISE_EVERY = 8
+"""The noise scale moves slowly: it is re-estimated after this many new healthy values (a
+detector sees one value per step, and the estimate is the costliest part of a judgement)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,8 @@ class RobustSpikeDetector:
         self.min_ratio = min_ratio
         self._history: deque[float] = deque(maxlen=window)
         self._flagged_run: list[float] = []
+        self._noise: tuple[bool, float] | None = None  # (log space?, scale) of the last estimate
+        self._stale = 0  # healthy values added since that estimate
 
     def __len__(self) -> int:
         return len(self._history)
@@ -65,12 +70,14 @@ class RobustSpikeDetector:
         if spike is None:
             self._history.append(value)
             self._flagged_run.clear()
+            self._stale += 1
             return None
         self._flagged_run.append(value)
         if len(self._flagged_run) >= max(4, self.window // 4):
             self._history.clear()
             self._history.extend(self._flagged_run)
             self._flagged_run.clear()
+            self._noise = None
         return spike
 
     def _judge(self, value: float) -> Spike | None:
@@ -83,13 +90,10 @@ class RobustSpikeDetector:
         # Centre on the recent level and measure noise from step-to-step differences, so the
         # run's own trend (a loss still falling fast) does not inflate the scale.
         center = float(np.median(series[-_LEVEL:]))
-        level = np.median(sliding_window_view(series[:-1], _LEVEL), axis=1)
-        residuals = series[_LEVEL:] - level  # each value against the level of the values before it
-        spread = np.abs(residuals - np.median(residuals))
-        # Gaussian-equivalent sigma from the MAD and from the 99th percentile: equal for normal
-        # noise; heavy-tailed noise (small batches, near-zero losses) widens the second.
-        noise = max(_MAD_TO_SIGMA * float(np.median(spread)), float(np.quantile(spread, 0.99)) / _Q99_TO_SIGMA)
-        z = (x - center) / max(noise, 1e-12)
+        if self._noise is None or self._noise[0] != use_log or self._stale >= _NOISE_EVERY:
+            self._noise = (use_log, _noise_scale(series))
+            self._stale = 0
+        z = (x - center) / max(self._noise[1], 1e-12)
         if use_log:
             median = math.exp(center)
             ratio = value / median
@@ -106,3 +110,17 @@ class RobustSpikeDetector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._history = deque(state["history"], maxlen=self.window)
         self._flagged_run = list(state["flagged_run"])
+        self._noise = None
+
+
+def _noise_scale(series: np.ndarray) -> float:
+    """Gaussian-equivalent noise of ``series`` around its own rolling level.
+
+    Each value is taken against the median of the values before it; the scale of those
+    residuals is the larger of the MAD's and the 99th percentile's estimate (equal for normal
+    noise; heavy-tailed noise, as with small batches or near-zero losses, widens the second).
+    """
+    level = np.median(sliding_window_view(series[:-1], _LEVEL), axis=1)
+    residuals = series[_LEVEL:] - level
+    spread = np.abs(residuals - np.median(residuals))
+    return max(_MAD_TO_SIGMA * float(np.median(spread)), float(np.quantile(spread, 0.99)) / _Q99_TO_SIGMA)

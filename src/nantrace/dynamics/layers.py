@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..detection.sentinel import local
 from ._common import SafeMonitor, is_sampled, store_transaction
 from ._layers import LayerIndex
 from ._readback import DeferredRead, stack_on
@@ -121,7 +122,7 @@ class LayerStatsMonitor(SafeMonitor):
     def _before_update(self, step: int, params: list[torch.Tensor]) -> None:
         self._before = None
         if is_sampled(step, self.update_every) and params:
-            self._before = _copy([p.detach() for p in params])
+            self._before = _copy([local(p.detach()) for p in params])
 
     def _on_step(self, ctx: StepContext) -> list[Signal]:
         signals: list[Signal] = []
@@ -157,12 +158,17 @@ class LayerStatsMonitor(SafeMonitor):
         return LayerFigures(ctx.step, grad, param, grad_present, param_present)
 
     def _start_update(self, figures: LayerFigures, before: list[torch.Tensor]) -> _PendingUpdate:
-        params = [p.detach() for p in self._params]
+        params = [local(p.detach()) for p in self._params]
         extra = [] if figures.param_present.all() else list(torch._foreach_norm(params, 2, dtype=torch.float32))
         diff = update_norms(before, params)
         del before
         device = params[0].device
-        return _PendingUpdate(figures, DeferredRead(stack_on(diff + extra, device)), bool(extra), len(params))
+        values = stack_on(diff + extra, device)
+        if self.guard.sharded and self.guard.world_size > 1:  # shard norms -> the parameter's norm
+            values = values.square()
+            torch.distributed.all_reduce(values)
+            values = values.sqrt()
+        return _PendingUpdate(figures, DeferredRead(values), bool(extra), len(params))
 
     def _finish_update(self, pending: _PendingUpdate) -> list[Signal]:
         values = np.asarray(pending.read.get(), dtype=np.float64)
