@@ -5,6 +5,8 @@ batches in the same order, AdamW), on the CPU:
 
 - ``plain``           zero_grad, forward, loss, backward, optimizer.step(); nothing hooked
 - ``nantrace``        the same loop under ``nantrace.watch(model, optimizer)`` (defaults)
+- ``nantrace_store``  the same with ``run_dir=`` a temporary directory: the run store's rows
+                      (one step row and the per-layer rows, one SQLite transaction) every step
 - ``detect_anomaly``  the same loop inside ``torch.autograd.detect_anomaly(check_nan=True)``
 - ``hf_debug``        ``transformers.debug_utils.DebugUnderflowOverflow(model)`` attached
 
@@ -45,6 +47,7 @@ import os
 import platform
 import random
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,7 +71,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from models import CASES, BenchCase, num_parameters  # noqa: E402
 
-VARIANTS = ("plain", "nantrace", "detect_anomaly", "hf_debug")
+VARIANTS = ("plain", "nantrace", "nantrace_store", "detect_anomaly", "hf_debug")
+GUARDED = ("nantrace", "nantrace_store")
+"""Variants under ``nantrace.watch``: defaults, and defaults plus a run directory (SQLite rows every step)."""
 DEFAULT_STEPS = {"gpt": 5, "cnn": 15, "mlp": 30}
 """Timed steps per variant block, per model (``--steps-per-round`` overrides all)."""
 DEFAULT_ROUNDS = 24
@@ -160,12 +165,13 @@ class Runner:
     guard_steps: list[int] = field(default_factory=list)
     _tool: Any = None
     _hf_debugger: Any = None
+    _run_dirs: list[str] = field(default_factory=list)
 
     def step(self) -> tuple[float, float]:
         """One training step: (wall seconds, process CPU seconds)."""
         batch = self.batches[self.cursor % len(self.batches)]
         self.cursor += 1
-        if self._tool is not None and self.variant == "nantrace":
+        if self._tool is not None and self.variant in GUARDED:
             self.guard_steps.append(self._tool.step)
         c0 = time.process_time()
         t0 = time.perf_counter()
@@ -185,12 +191,16 @@ class Runner:
         t0 = time.perf_counter()
         if self.variant == "plain":
             self.check_clean("before its block")
-        elif self.variant == "nantrace":
+        elif self.variant in GUARDED:
             import nantrace
 
             self.check_clean("before nantrace.watch()")
+            run_dir = None
+            if self.variant == "nantrace_store":
+                run_dir = tempfile.mkdtemp(prefix="nantrace-bench-run-")
+                self._run_dirs.append(run_dir)
             t0 = time.perf_counter()
-            self._tool = nantrace.watch(self.model, self.optimizer)
+            self._tool = nantrace.watch(self.model, self.optimizer, run_dir=run_dir)
             if torch.autograd.backward is _ORIGINAL_AUTOGRAD_BACKWARD:
                 raise CleanlinessError("nantrace.watch() returned but torch.autograd.backward is not intercepted")
         elif self.variant == "detect_anomaly":
@@ -215,10 +225,13 @@ class Runner:
         """Turn the tool off and check that nothing is left behind (untimed)."""
         assert self.attached
         t0 = time.perf_counter()
-        if self.variant == "nantrace":
+        if self.variant in GUARDED:
             self.incidents += len(self._tool.incidents)
             self._tool.close()
             self._tool = None
+            for run_dir in self._run_dirs:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            self._run_dirs.clear()
         elif self.variant == "detect_anomaly":
             self._tool.__exit__(None, None, None)
             self._tool = None
@@ -443,7 +456,7 @@ def time_model(name: str, variants: Sequence[str], *, isolation: str, rounds: in
                     states[v] = torch.load(path)
                     extra[v].update(detach_ms=done["detach_ms"], incidents=done["incidents"],
                                     steps_trained=done["steps_trained"], nantrace_imported=done["nantrace_imported"])
-                    if v == "nantrace":
+                    if v in GUARDED:
                         extra[v]["guard_steps"] = done["guard_steps"]
         finally:
             for w in workers.values():
@@ -471,7 +484,7 @@ def time_model(name: str, variants: Sequence[str], *, isolation: str, rounds: in
     summary = summarise(times)
     cpu_summary = summarise(cpu)
     for v in variants:
-        summary[v].update(extra[v] if v != "nantrace" else {k: x for k, x in extra[v].items() if k != "guard_steps"})
+        summary[v].update({k: x for k, x in extra[v].items() if k != "guard_steps"})
         summary[v]["cpu_median_ms"] = cpu_summary[v]["median_ms"]
         summary[v]["cpu_per_round_ratio_median"] = cpu_summary[v].get("per_round_ratio_median")
         summary[v]["cpu_per_round_ratio_ci95"] = cpu_summary[v].get("per_round_ratio_ci95")
