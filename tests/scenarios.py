@@ -645,6 +645,24 @@ def _hf_ignored() -> Setup:
     return Setup(model, _sgd(model), _batches(_lm_batch, lambda: _lm_batch(all_ignored=True)), call_loss)
 
 
+class LMWithTokenMeanLoss(LMWithLoss):
+    """Sums the token losses and divides by the number of trained tokens (Hugging Face's loss
+    under gradient accumulation, or a hand-written token mean)."""
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.embed(tokens))
+        total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        return total / (labels != -100).sum()  # <origin:ce_token_mean>
+
+
+@scenario("token_mean_loss_all_labels_ignored",
+          Expected("nonfinite_loss", "forward", "aten.div.Tensor", "", "ce_token_mean", "label_out_of_range"),
+          story="every label is -100 and the summed loss is divided by the count of trained tokens: 0/0")
+def _token_mean_ignored() -> Setup:
+    model = LMWithTokenMeanLoss()
+    return Setup(model, _sgd(model), _batches(_lm_batch, lambda: _lm_batch(all_ignored=True)), call_loss)
+
+
 def _nan_batch() -> tuple[torch.Tensor, torch.Tensor]:
     x, y = _xy()
     x[1, 3] = NAN  # a corrupt record

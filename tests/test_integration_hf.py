@@ -4,7 +4,7 @@ locally (no download), with a genuine failure at a known optimizer step.
 With gradient accumulation the Trainer divides the summed token losses by the number of
 non-ignored labels in the whole accumulated batch. Both micro-batches of optimizer step
 ``FAIL_STEP`` have every label set to -100 (fully ignored), so that count is 0 and the
-loss, computed inside the model's forward, is 0/0.
+loss, computed inside the model's forward, is 0/0: the op is a division, the cause the labels.
 """
 
 from __future__ import annotations
@@ -82,9 +82,11 @@ def test_failure_inside_the_model_forward_is_diagnosed_and_skipped(tmp_path):
 
     [incident] = cb.incidents
     assert (incident.step, incident.kind, incident.phase, incident.op, incident.module, incident.cause, incident.action) == (
-        FAIL_STEP, "nonfinite_loss", "forward", "aten.div.Tensor", "", "div_by_zero", "skipped")
+        FAIL_STEP, "nonfinite_loss", "forward", "aten.div.Tensor", "", "label_out_of_range", "skipped")
     assert "transformers/loss/loss_utils.py:" in incident.source
     assert [s["zeros"] for s in incident.input_stats] == [1, 1]  # 0 / 0: no label left to average over
+    # the division is only where it shows: the cause is the labels (every one is ignore_index)
+    assert "ignore_index=-100" in incident.summary and "ignore index" in incident.fix
     assert incident.transient is False and incident.bundle is not None
     # optimizer steps are counted (5 of them, 10 micro-batches); step 3 did not change the weights
     assert trainer.state.global_step == MAX_STEPS and cb.guard.step == MAX_STEPS and len(recorder.after) == MAX_STEPS
@@ -107,7 +109,7 @@ def test_raise_policy_stops_train_with_the_diagnosis(tmp_path):
         _train(tmp_path, cb)
     incident = info.value.incident
     assert (incident.step, incident.op, incident.module, incident.cause, incident.action) == (
-        FAIL_STEP, "aten.div.Tensor", "", "div_by_zero", "raised")
+        FAIL_STEP, "aten.div.Tensor", "", "label_out_of_range", "raised")
     model = cb.guard.root
     assert all(torch.isfinite(p).all() for p in model.parameters())
     cb.close()  # the Trainer has no exception event: the user (or the next train()) closes

@@ -28,6 +28,10 @@ PATTERNS: tuple[Pattern, ...] = (
             "{op} got targets it cannot use{detail}: with reduction='mean' the loss is 0/0.",
             "Check the labels against num_classes and ignore_index; drop batches in which every target is "
             "ignored, or use reduction='sum' divided by max(count, 1)."),
+    Pattern("label_out_of_range", ("div",), "The loss divides its sum over labels by the number of labels used, and "
+            "none was used{where}{detail}.",
+            "Every label of the batch is the ignore index (e.g. prompt-only samples after masking): drop or re-pack "
+            "such batches before training, or divide by max(count, 1)."),
     Pattern("label_out_of_range", (), "A class index is outside [0, num_classes){detail}.",
             "Check the label mapping and num_classes; validate labels with nantrace.data.validate_batch."),
     Pattern("nonfinite_param", (), "A parameter or buffer was already non-finite before this step{detail}.",

@@ -163,6 +163,7 @@ class OpRecord:
 
 # Ops whose inputs are worth keeping during a replay: their derivative has singular points,
 # so a backward origin in them is explained by their forward inputs (zeros, ±1, negatives).
+_NLL_FORWARD = {"nll_loss_forward", "nll_loss2d_forward"}
 _KEEP_INPUTS = {
     "sqrt", "rsqrt", "pow", "linalg_vector_norm", "norm", "acos", "asin", "atan2", "_cdist_forward",
     "cdist", "div", "reciprocal", "log", "log2", "log10", "log1p", "exp", "expm1", "where", "masked_fill",
@@ -185,6 +186,8 @@ class OpTracer(TorchDispatchMode):
         self._pending: list[tuple[weakref.ref[torch.Tensor], OpInfo]] = []
         self.index = 0
         self.ops_seen = 0
+        self.ignored_targets: tuple[int, int] | None = None
+        """(count, ignore_index) of the last forward NLL loss whose targets were all ignored."""
 
     # The mode is switched off while its own __torch_dispatch__ runs, so the checks
     # below do not recurse into it.
@@ -203,6 +206,8 @@ class OpTracer(TorchDispatchMode):
             info = OpInfo(op=name, module=self.modules.current, source=user_source(3), index=self.index)
             if short.rstrip("_") in _KEEP_INPUTS:
                 info.args, info.kwargs = args, kwargs
+            if short in _NLL_FORWARD:
+                self._note_ignored_targets(args)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
         if info is not None:
             for t in outs:
@@ -239,6 +244,14 @@ class OpTracer(TorchDispatchMode):
             self.producer[t] = record
         self.records.append(record)
         return out
+
+    def _note_ignored_targets(self, args: tuple[Any, ...]) -> None:
+        # A summed NLL over targets that are all ignore_index is a finite 0; the division
+        # by the number of labels that follows (Hugging Face's loss) is then 0/0.
+        target = args[1] if len(args) > 1 else None
+        ignore = args[4] if len(args) > 4 and isinstance(args[4], int) else -100
+        if isinstance(target, torch.Tensor) and target.numel() and bool((target == ignore).all()):
+            self.ignored_targets = (int(target.numel()), ignore)
 
     def flush(self) -> None:
         """Link forward ops to the autograd nodes that autograd attached to their outputs."""
