@@ -104,6 +104,22 @@ class GuardSession:
         self.guard.close()
 
 
+class SessionCallback:
+    """What both framework callbacks expose: the guard of the current (or last) run and its incidents."""
+
+    session: GuardSession | None = None
+
+    @property
+    def guard(self) -> Any:
+        """The :class:`nantrace.Guard` of the current (or last) run, or ``None`` before one."""
+        return self.session.guard if self.session is not None else None
+
+    @property
+    def incidents(self) -> list[Any]:
+        """The guard's incidents so far, oldest first (empty before a run)."""
+        return list(self.guard.incidents) if self.guard is not None else []
+
+
 def step_metrics(guard: Any, prefix: str = "nantrace/") -> dict[str, float]:
     """The guard's last finished step as logger metrics: ``nantrace/loss``, ``grad_norm``,
     ``param_norm``, ``scale`` (with a GradScaler), ``skipped`` (0/1) and ``incidents``

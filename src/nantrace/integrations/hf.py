@@ -21,12 +21,12 @@ require("transformers", feature="nantrace.integrations.hf")
 
 from transformers import TrainerCallback  # noqa: E402
 
-from . import GuardSession, check_watch_kwargs, step_metrics  # noqa: E402
+from . import GuardSession, SessionCallback, check_watch_kwargs, step_metrics  # noqa: E402
 
 __all__ = ["NanTraceCallback"]
 
 
-class NanTraceCallback(TrainerCallback):
+class NanTraceCallback(SessionCallback, TrainerCallback):
     """Watches the Trainer's model, optimizer and (fp16) GradScaler during ``train()``.
 
     ``**watch_kwargs`` are those of :func:`nantrace.watch` (``run_dir``, ``on_anomaly``,
@@ -40,15 +40,6 @@ class NanTraceCallback(TrainerCallback):
         self.watch_kwargs = check_watch_kwargs(watch_kwargs, "NanTraceCallback")
         self.session: GuardSession | None = None
         self._logged_step = -1
-
-    @property
-    def guard(self) -> Any:
-        """The :class:`nantrace.Guard` of the current (or last) ``train()``, or ``None`` before one."""
-        return self.session.guard if self.session is not None else None
-
-    @property
-    def incidents(self) -> list[Any]:
-        return list(self.guard.incidents) if self.guard is not None else []
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:

@@ -24,14 +24,14 @@ require("lightning", feature="nantrace.integrations.lightning")
 
 import lightning.pytorch as pl  # noqa: E402
 
-from . import GuardSession, check_watch_kwargs, step_metrics  # noqa: E402
+from . import GuardSession, SessionCallback, check_watch_kwargs, step_metrics  # noqa: E402
 
 __all__ = ["NanTraceCallback"]
 
 _ABSENT = object()
 
 
-class NanTraceCallback(pl.Callback):
+class NanTraceCallback(SessionCallback, pl.Callback):
     """Watches the LightningModule, its optimizer and (``16-mixed``) GradScaler during ``fit``.
 
     ``**watch_kwargs`` are those of :func:`nantrace.watch` (``run_dir``, ``on_anomaly``,
@@ -45,15 +45,6 @@ class NanTraceCallback(pl.Callback):
         self.session: GuardSession | None = None
         self._patched: tuple[pl.LightningModule, Any] | None = None  # (module, its own training_step attr)
         self._logged_step = -1
-
-    @property
-    def guard(self) -> Any:
-        """The :class:`nantrace.Guard` of the current (or last) fit, or ``None`` before one."""
-        return self.session.guard if self.session is not None else None
-
-    @property
-    def incidents(self) -> list[Any]:
-        return list(self.guard.incidents) if self.guard is not None else []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
