@@ -31,6 +31,8 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
     else:
         ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    if scenario == "rewatch_nan_rank1":  # an earlier guard registered the comm hook, then closed
+        nantrace.watch(ddp, opt, config=nantrace.Config(print_incidents=False)).close()
     guard = nantrace.watch(ddp, opt, run_dir=f"{out_dir}/run", on_anomaly=policy,
                            config=nantrace.Config(print_incidents=False))
     gen = torch.Generator().manual_seed(100 + rank)
@@ -40,7 +42,7 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
     for step in range(steps):
         x = torch.randn(16, 8, generator=gen)
         y = x @ w + 0.1 * torch.randn(16, 1, generator=gen)
-        if rank == 1 and step == 3 and scenario in ("nan_input_rank1", "fsdp_nan_input_rank1"):
+        if rank == 1 and step == 3 and scenario in ("nan_input_rank1", "fsdp_nan_input_rank1", "rewatch_nan_rank1"):
             x[2, 5] = float("nan")
         if rank == 1 and step == 45 and scenario == "loss_spike_rank1":
             y = y * 100

@@ -32,18 +32,23 @@ def world() -> tuple[int, int]:
 def install_local_grad_check(guard: "Guard") -> bool:
     """Register a DDP comm hook that records local-gradient finiteness, then all-reduces as DDP does.
 
-    Returns False when the model is not DDP or already has a comm hook (DDP allows one);
-    the hook cannot be unregistered, so after ``guard.close()`` it only all-reduces.
+    Returns False when the model is not DDP or already has a comm hook of its own (DDP allows
+    one). A DDP hook cannot be unregistered: after ``guard.close()`` it only all-reduces, and
+    a later guard on the same DDP model takes the hook over instead of losing the check.
     """
     model = guard.model
     if type(model).__name__ != "DistributedDataParallel" or not hasattr(model, "register_comm_hook"):
         return False
+    target = getattr(model, _HOOK_TARGET, None)
+    if target is not None:  # our hook, left by an earlier guard
+        target[0] = weakref.ref(guard)
+        return True
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    guard_ref = weakref.ref(guard)
+    target = [weakref.ref(guard)]
 
     def check_then_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP inspects real annotations
-        g = guard_ref()
+        g = target[0]()
         if g is not None and not g.closed and not g._replaying:
             g._capture.and_local_grads(finite_flag(bucket.buffer()))
         return default_hooks.allreduce_hook(state, bucket)
@@ -52,7 +57,12 @@ def install_local_grad_check(guard: "Guard") -> bool:
         model.register_comm_hook(state=None, hook=check_then_allreduce)
     except RuntimeError:
         return False
+    setattr(model, _HOOK_TARGET, target)
     return True
+
+
+_HOOK_TARGET = "_nantrace_grad_check_target"
+"""Attribute of a DDP model holding the guard its nantrace comm hook reports to."""
 
 
 @dataclasses.dataclass

@@ -1,0 +1,43 @@
+"""The benchmark scripts run end to end and check what they must (no timing is asserted).
+
+Each benchmark also verifies that nantrace leaves training unchanged: the weights after
+training with and without the guard are compared. These smoke runs keep that check, and the
+scripts themselves, working; their figures live in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _run(args: list[str], tmp_path: Path) -> dict:
+    out = tmp_path / "result.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args, "--json", str(out)], capture_output=True, text=True,
+                          timeout=400, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_overhead_benchmark_trains_identical_weights_with_and_without_the_guard(tmp_path):
+    res = _run([str(BENCH / "overhead.py"), "--models", "mlp", "--variants", "plain,nantrace,nantrace_store",
+                "--rounds", "2", "--steps-per-round", "3", "--warmup", "1", "--no-memory", "--quiet"], tmp_path)
+    model = res["timing"]["mlp"]
+    assert model["max_abs_param_diff_vs_plain"] == {"nantrace": 0.0, "nantrace_store": 0.0}
+    for variant in ("plain", "nantrace", "nantrace_store"):
+        assert model["summary"][variant]["steps"] == 6
+        assert model["summary"][variant]["incidents"] == 0
+
+
+def test_ddp_benchmark_trains_identical_weights_on_two_gloo_ranks(tmp_path):
+    res = _run([str(BENCH / "ddp_overhead.py"), "--model", "mlp", "--rounds", "1", "--steps", "3", "--warmup", "1"],
+               tmp_path)
+    assert res["identical_weights"] is True and res["incidents"] == 0
+    assert [len(res["raw_times"][v][0]) for v in ("plain", "nantrace")] == [3, 3]
+    assert res["guard_steps"] == 1 + 3  # warm-up, then one block
