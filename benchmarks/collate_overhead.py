@@ -82,6 +82,8 @@ def main() -> None:
                                                   ValidatingCollate(num_classes=32000)),
         "images 64x3x224x224 float32 + labels": (image_samples(64, args.device),
                                                  ValidatingCollate(num_classes=1000)),
+        "images, stats=False (finiteness, labels)": (image_samples(64, args.device),
+                                                     ValidatingCollate(num_classes=1000, stats=False)),
     }
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads, "
           f"median of {args.repeats} runs")
@@ -92,9 +94,9 @@ def main() -> None:
                                        args.repeats, sync)
         assert collate.skipped_batches == 0 and not collate.issues, collate.issues
         batch = default_collate(samples)
-        num_classes = collate.validate_kwargs["num_classes"]
+        kwargs = {k: collate.validate_kwargs[k] for k in ("num_classes", "stats")}
         alone = statistics.median(
-            _timed(lambda: validate_batch(batch, num_classes=num_classes), sync) for _ in range(args.repeats))
+            _timed(lambda: validate_batch(batch, **kwargs), sync) for _ in range(args.repeats))
         extra = checked - base
         print(f"{name:40s} {base:13.2f} ms {checked:15.2f} ms {extra:8.2f} ms ({100 * extra / base:5.1f}%) "
               f"{alone:18.2f} ms")

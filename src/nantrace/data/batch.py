@@ -325,6 +325,13 @@ class BatchReport(IssueReport):
 # --------------------------------------------------------------------------- checks
 
 
+def _row_extremes(xr: torch.Tensor, rows: np.ndarray, acc: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row min and max of the chosen rows of ``xr`` (NaN propagates), on the host."""
+    sub = xr[torch.as_tensor(rows, dtype=torch.long, device=xr.device)]
+    both = torch.stack([sub.amin(dim=1).to(acc), sub.amax(dim=1).to(acc)]).cpu().numpy().astype(np.float64)
+    return both[0], both[1]
+
+
 def _check_float(
     leaf: _Leaf, *, want_stats: bool, max_range: float, spread_rtol: float, reference: BatchSchema | None
 ) -> list[DataIssue]:
@@ -332,23 +339,33 @@ def _check_float(
     if t.numel() == 0:
         return []
     xr = t.reshape(t.shape[0], -1) if t.ndim else t.reshape(1, 1)
-    # Everything is computed on the tensor's device, then moved to the host in one go.
-    # amin/amax propagate NaN, so they find non-finite rows without an isfinite pass.
+    rows = xr.shape[0]
+    # Memory-bound passes, computed on the tensor's device and moved to the host in one go:
+    # the per-row sum (a NaN or Inf makes it non-finite: which rows are bad), with statistics
+    # also the per-row sum of squares and the global min/max. Per-row extremes are computed
+    # only for the rare rows that need them.
     acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-    parts = [xr.amin(dim=1).to(acc), xr.amax(dim=1).to(acc)]
+    parts = [xr.sum(dim=1, dtype=acc)]
     if want_stats:
-        parts.append(xr.sum(dim=1, dtype=acc))
         parts.append(torch.linalg.vector_norm(xr, 2, dim=1, dtype=acc).square())
-    host = torch.stack(parts).cpu().numpy().astype(np.float64)
-    rmin_h, rmax_h = host[0], host[1]
+        parts.append(torch.stack(torch.aminmax(xr)).to(acc))
+    host = torch.cat(parts).cpu().numpy().astype(np.float64)
+    row_sum = host[:rows]
     per_row = xr.shape[1]
     issues: list[DataIssue] = []
 
-    bad = ~(np.isfinite(rmin_h) & np.isfinite(rmax_h))
+    bad = np.zeros(rows, dtype=bool)
+    rmin_h = np.full(rows, np.nan)
+    rmax_h = np.full(rows, np.nan)
+    suspect = np.flatnonzero(~np.isfinite(row_sum))
+    if suspect.size:  # non-finite values, or a sum that overflowed: the row's extremes decide
+        lo_hi = _row_extremes(xr, suspect, acc)
+        rmin_h[suspect], rmax_h[suspect] = lo_hi
+        bad[suspect] = ~(np.isfinite(lo_hi[0]) & np.isfinite(lo_hi[1]))
     if bad.any():
-        rows = np.flatnonzero(bad).tolist()
+        bad_rows = np.flatnonzero(bad).tolist()
         kinds = {}
-        for r in rows:
+        for r in bad_rows:
             lo, hi = rmin_h[r], rmax_h[r]
             if np.isnan(lo) or np.isnan(hi):
                 kinds[r] = "NaN"
@@ -356,11 +373,11 @@ def _check_float(
                 kinds[r] = "+Inf and -Inf"
             else:
                 kinds[r] = "+Inf" if hi == np.inf else "-Inf"
-        sample_list = rows if t.ndim else []
+        sample_list = bad_rows if t.ndim else []
         if t.ndim:
-            groups = {k: [r for r in rows if kinds[r] == k] for k in sorted(set(kinds.values()))}
+            groups = {k: [r for r in bad_rows if kinds[r] == k] for k in sorted(set(kinds.values()))}
             where = ", ".join(f"{k} in sample{'s' if len(v) > 1 else ''} {_fmt_indices(v)}" for k, v in groups.items())
-            text = f"{leaf.path} contains {where} ({len(rows)} of {xr.shape[0]} samples)."
+            text = f"{leaf.path} contains {where} ({len(bad_rows)} of {xr.shape[0]} samples)."
         else:
             text = f"{leaf.path} is {kinds[0]}."
         issues.append(DataIssue(
@@ -369,7 +386,7 @@ def _check_float(
             "Find these records in the dataset (a failed decode, a division by a zero "
             "count, log of 0 in feature engineering, an overflow when casting to fp16) "
             "and fix or filter them; ValidatingCollate(policy='skip') drops them meanwhile.",
-            {"values": {str(r): kinds[r] for r in rows}, "batch_size": int(xr.shape[0])},
+            {"values": {str(r): kinds[r] for r in bad_rows}, "batch_size": int(xr.shape[0])},
         ))
 
     if not want_stats:
@@ -378,11 +395,14 @@ def _check_float(
     if not good.any():
         return issues
     n = float(good.sum()) * per_row
-    mean = float(host[2][good].sum() / n)
-    var = float(host[3][good].sum() / n) - mean * mean
+    mean = float(row_sum[good].sum() / n)
+    var = float(host[rows:2 * rows][good].sum() / n) - mean * mean
     std = math.sqrt(max(var, 0.0) * n / (n - 1)) if n > 1 else 0.0
-    lo = float(rmin_h[good].min())
-    hi = float(rmax_h[good].max())
+    if bad.any():  # the global extremes include the bad rows: take them over the good ones
+        lo_g, hi_g = _row_extremes(xr, np.flatnonzero(good), acc)
+        lo, hi = float(lo_g.min()), float(hi_g.max())
+    else:
+        lo, hi = float(host[2 * rows]), float(host[2 * rows + 1])
     stats = {"mean": mean, "std": std, "min": lo, "max": hi, "numel": int(n)}
 
     # "std ~ 0 relative to the magnitude", judged on the exact spread (std <= spread / 2)
@@ -402,13 +422,14 @@ def _check_float(
     if not math.isfinite(mean) or not math.isfinite(std):  # sums overflowed: figures unusable
         std = math.inf
     if hi - lo > max_range:
+        rmin_h, rmax_h = _row_extremes(xr, np.arange(rows), acc)
         rows_range = (rmax_h - rmin_h) > max_range
-        rows = np.flatnonzero(good & rows_range).tolist()
-        if not rows:  # the spread is between samples: name the extreme ones
-            rows = sorted({int(np.nanargmin(np.where(good, rmin_h, np.inf))),
+        wide = np.flatnonzero(good & rows_range).tolist()
+        if not wide:  # the spread is between samples: name the extreme ones
+            wide = sorted({int(np.nanargmin(np.where(good, rmin_h, np.inf))),
                            int(np.nanargmax(np.where(good, rmax_h, -np.inf)))})
         issues.append(DataIssue(
-            "degenerate_normalisation", leaf.path, rows if t.ndim else [],
+            "degenerate_normalisation", leaf.path, wide if t.ndim else [],
             f"{leaf.path} spans [{_g(lo)}, {_g(hi)}] (range {_g(hi - lo)} > {_g(max_range)}), "
             f"mean {_g(mean)}, std {_g(std)}: the input looks unnormalised.",
             "Normalise the input (e.g. (x - mean) / std per feature, or scale raw pixels to "
