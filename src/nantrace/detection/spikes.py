@@ -13,7 +13,9 @@ for losses and norms whose scale drifts over a run.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import statistics
 from collections import deque
 from typing import Any
 
@@ -81,17 +83,21 @@ class RobustSpikeDetector:
         return spike
 
     def _judge(self, value: float) -> Spike | None:
-        if len(self._history) < self.warmup:
+        hist = self._history
+        if len(hist) < self.warmup:
             return None
-        hist = np.fromiter(self._history, dtype=np.float64, count=len(self._history))
-        use_log = value > 0 and bool((hist > 0).all())
-        series = np.log(hist) if use_log else hist
+        use_log = value > 0 and min(hist) > 0
+        recent = list(itertools.islice(hist, len(hist) - _LEVEL, None))
+        if use_log:
+            recent = [math.log(v) for v in recent]
+        # Centre on the recent level; the noise is measured from each value's residual
+        # against the level before it, so the run's own trend (a loss still falling fast)
+        # does not inflate the scale.
+        center = statistics.median(recent)
         x = math.log(value) if use_log else value
-        # Centre on the recent level and measure noise from step-to-step differences, so the
-        # run's own trend (a loss still falling fast) does not inflate the scale.
-        center = float(np.median(series[-_LEVEL:]))
         if self._noise is None or self._noise[0] != use_log or self._stale >= _NOISE_EVERY:
-            self._noise = (use_log, _noise_scale(series))
+            series = np.fromiter(hist, dtype=np.float64, count=len(hist))
+            self._noise = (use_log, _noise_scale(np.log(series) if use_log else series))
             self._stale = 0
         z = (x - center) / max(self._noise[1], 1e-12)
         if use_log:
