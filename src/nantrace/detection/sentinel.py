@@ -77,12 +77,11 @@ def measure(
     GradScaler's factor; their norms are divided by the scale on the host.
     """
     device = _pick_device(grads, params, losses)
-    nan = torch.full((), float("nan"), device=device)
-    one = torch.ones((), device=device)
+    nan, one = _constants(device)
     gn = _norms(grads)
     pn = _norms(params)
-    gvec = torch.stack([n.to(device) for n in gn]) if gn else None
-    pvec = torch.stack([n.to(device) for n in pn]) if pn else None
+    gvec = _stack_on(gn, device)
+    pvec = _stack_on(pn, device)
     head = [
         torch.stack([l.detach().to(device, torch.float32).reshape(()) for l in losses]).mean() if losses else nan,
         torch.linalg.vector_norm(gvec) if gvec is not None else nan,
@@ -128,6 +127,26 @@ def _exactly_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 def _norms64(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.linalg.vector_norm(local(t), dtype=torch.float64) for t in tensors]
+
+
+_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-dim NaN and 1.0 on ``device``, made once (placeholders in the step's read vector)."""
+    pair = _CONSTANTS.get(device)
+    if pair is None:
+        pair = _CONSTANTS[device] = (torch.full((), float("nan"), device=device), torch.ones((), device=device))
+    return pair
+
+
+def _stack_on(values: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """The 0-dim norms as one vector on ``device`` (moved only when they are elsewhere)."""
+    if not values:
+        return None
+    if all(v.device == device for v in values):
+        return torch.stack(values)
+    return torch.stack([v.to(device) for v in values])
 
 
 def _pick_device(*groups: Sequence[torch.Tensor]) -> torch.device:

@@ -41,7 +41,6 @@ def triage(
     last_applied: int | None,
 ) -> Finding | None:
     """Classify the step; ``None`` when it is healthy (or a normal GradScaler calibration skip)."""
-    unknown_fix = explain("unknown")[1]
     if not health.params_finite:
         if last_applied is None:
             summary, fix = explain("nonfinite_param")
@@ -57,7 +56,7 @@ def triage(
         where = "inside the model (its outputs were already non-finite)" if inside else "in the loss computation (the model's outputs were finite)"
         return Finding(step, "nonfinite_loss", "forward", "unknown", "" if inside else None,
                        f"The loss is {_fmt(health.loss)} at step {step}; the first non-finite value arose {where}.",
-                       unknown_fix)
+                       explain("unknown")[1])
     if not health.outputs_finite:
         return Finding(step, "nonfinite_activation", "forward", "unknown", "",
                        f"The model's outputs hold non-finite values at step {step}, but the loss and gradients are finite.",
@@ -71,7 +70,7 @@ def triage(
                 f"Gradients are non-finite at step {step}; no loss was seen through backward() in this step, "
                 "so whether the forward was already non-finite is unknown.")
         return Finding(step, "nonfinite_grad", "backward" if health.loss is not None else None, "unknown", None,
-                       seen, unknown_fix)
+                       seen, explain("unknown")[1])
     spike = loss_spikes.update(health.loss) if loss_spikes is not None and health.loss is not None else None
     boom = grad_spikes.update(health.grad_norm) if grad_spikes is not None and health.grad_norm is not None else None
     if spike is not None:
