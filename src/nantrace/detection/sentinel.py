@@ -83,7 +83,7 @@ def measure(
     gvec = _stack_on(gn, device)
     pvec = _stack_on(pn, device)
     head = [
-        torch.stack([l.detach().to(device, torch.float32).reshape(()) for l in losses]).mean() if losses else nan,
+        _mean_loss(losses, device) if losses else nan,
         torch.linalg.vector_norm(gvec) if gvec is not None else nan,
         torch.linalg.vector_norm(pvec) if pvec is not None else nan,
         inputs_ok.to(device, torch.float32) if inputs_ok is not None else one,
@@ -127,6 +127,12 @@ def _exactly_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 def _norms64(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.linalg.vector_norm(local(t), dtype=torch.float64) for t in tensors]
+
+
+def _mean_loss(losses: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The mean of the step's losses as a 0-dim float32 tensor (one loss: no reduction kernel)."""
+    flat = [l.detach().to(device, torch.float32).reshape(()) for l in losses]
+    return flat[0] if len(flat) == 1 else torch.stack(flat).mean()
 
 
 _CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
