@@ -67,11 +67,37 @@ def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def tiny_gpt_step_ms(steps: int) -> float:
+    """Median ms of a tiny-GPT AdamW training step (benchmarks/models.py), the yardstick of the figure."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from models import CASES
+
+    case = CASES["gpt"]
+    model = case.build(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    batches = case.batches(4)
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        case.loss(model, batches[i % len(batches)]).backward()
+        opt.step()
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
+    parser.add_argument("--gpt-steps", type=int, default=12,
+                        help="tiny-GPT training steps timed in the same run, to express the overhead as a share "
+                             "of one (0: skip)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,6 +115,8 @@ def main() -> None:
           f"median of {args.repeats} runs")
     print(f"{'batch':40s} {'default_collate':>16s} {'ValidatingCollate':>18s} {'overhead':>18s} "
           f"{'validate_batch alone':>21s}")
+    gpt_ms = tiny_gpt_step_ms(args.gpt_steps) if args.gpt_steps and args.device == "cpu" else None
+    rows = []
     for name, (samples, collate) in cases.items():
         base, checked = paired_medians(lambda: default_collate(samples), lambda: collate(samples),
                                        args.repeats, sync)
@@ -98,8 +126,16 @@ def main() -> None:
         alone = statistics.median(
             _timed(lambda: validate_batch(batch, **kwargs), sync) for _ in range(args.repeats))
         extra = checked - base
+        rows.append((name, extra, alone))
         print(f"{name:40s} {base:13.2f} ms {checked:15.2f} ms {extra:8.2f} ms ({100 * extra / base:5.1f}%) "
               f"{alone:18.2f} ms")
+    if gpt_ms is not None:
+        gpt_after = tiny_gpt_step_ms(args.gpt_steps)
+        step = statistics.median([gpt_ms, gpt_after])
+        print(f"\ntiny-GPT training step in this run: {gpt_ms:.1f} ms before, {gpt_after:.1f} ms after the batches; "
+              f"as a share of {step:.1f} ms:")
+        for name, extra, alone in rows:
+            print(f"  {name:40s} added {100 * extra / step:5.2f}%   validate_batch alone {100 * alone / step:5.2f}%")
 
 
 if __name__ == "__main__":

@@ -528,3 +528,24 @@ def test_collate_reports_to_a_real_guard_as_data_incidents():
         (0, "nonfinite_input", "data", "label_out_of_range", "skipped", (4,)),
         (0, "nonfinite_input", "data", "nonfinite_input", "skipped", (2,)),
     ]
+
+
+@pytest.mark.parametrize("make, needed", [
+    (lambda: torch.randn(16, 3, 8, 8), False),                       # normalised: no check can fire
+    (lambda: torch.rand(16, 3, 8, 8), False),                        # [0, 1] pixels
+    (lambda: torch.full((16, 3, 8, 8), 0.5), True),                  # constant: the spread check must look
+    (lambda: 1e6 + 1e-3 * torch.rand(16, 3, 8, 8, dtype=torch.float64), True),  # tiny spread next to its magnitude
+    (lambda: 255 * torch.rand(16, 3, 8, 8), False),                  # raw pixels, small rows: 2 sqrt(sum x^2) < 1e4
+    (lambda: 255 * torch.rand(2, 3, 224, 224), True),                # raw pixels, image rows: the bound is not conclusive
+])
+def test_the_min_max_pass_is_skipped_only_when_no_check_could_fire(make, needed):
+    from nantrace.data.batch import _extremes_needed
+
+    t = make()
+    x = t.reshape(t.shape[0], -1).double()
+    n = float(x.numel())
+    mean, std = float(x.mean()), float(x.std())
+    assert _extremes_needed(n, mean, std, (x * x).sum(1).numpy(), max_range=1e4, spread_rtol=1e-6) is needed
+    if not needed:  # and then, exactly, neither check would have fired
+        lo, hi = float(x.min()), float(x.max())
+        assert hi - lo <= 1e4 and hi - lo > 1e-6 * max(abs(lo), abs(hi))

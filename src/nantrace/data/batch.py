@@ -332,6 +332,23 @@ def _row_extremes(xr: torch.Tensor, rows: np.ndarray, acc: torch.dtype) -> tuple
     return both[0], both[1]
 
 
+def _extremes_needed(n: float, mean: float, std: float, row_sumsq: np.ndarray, *, max_range: float,
+                     spread_rtol: float) -> bool:
+    """Could the range or the spread check fire? If not, the batch's min/max pass is skipped.
+
+    Range: ``max - min <= 2 max|x| <= 2 sqrt(max over rows of the sum of squares)``.
+    Spread: values within a relative band ``spread_rtol`` of their magnitude have
+    ``std <= spread_rtol |mean|``; a std well above that (by a margin far larger than the
+    rounding of float32 sums) rules the check out. Either test failing means: look exactly.
+    """
+    if n <= 1 or not (math.isfinite(mean) and math.isfinite(std)) or row_sumsq.size == 0 or spread_rtol >= 0.5:
+        return True
+    bound = 2.0 * math.sqrt(float(row_sumsq.max())) * 1.001
+    if not math.isfinite(bound) or bound > max_range:
+        return True
+    return not std > max(0.3, 2.0 * spread_rtol) * abs(mean)
+
+
 def _check_float(
     leaf: _Leaf, *, want_stats: bool, max_range: float, spread_rtol: float, reference: BatchSchema | None
 ) -> list[DataIssue]:
@@ -341,14 +358,14 @@ def _check_float(
     xr = t.reshape(t.shape[0], -1) if t.ndim else t.reshape(1, 1)
     rows = xr.shape[0]
     # Memory-bound passes, computed on the tensor's device and moved to the host in one go:
-    # the per-row sum (a NaN or Inf makes it non-finite: which rows are bad), with statistics
-    # also the per-row sum of squares and the global min/max. Per-row extremes are computed
-    # only for the rare rows that need them.
+    # the per-row sum (a NaN or Inf makes it non-finite: which rows are bad) and, with
+    # statistics, the per-row sum of squares. Extremes cost a pass of their own and are only
+    # computed when a check needs them (see _extremes_needed), per row only for the rows
+    # that need them.
     acc = torch.float64 if t.dtype == torch.float64 else torch.float32
     parts = [xr.sum(dim=1, dtype=acc)]
     if want_stats:
         parts.append(torch.linalg.vector_norm(xr, 2, dim=1, dtype=acc).square())
-        parts.append(torch.stack(torch.aminmax(xr)).to(acc))
     host = torch.cat(parts).cpu().numpy().astype(np.float64)
     row_sum = host[:rows]
     per_row = xr.shape[1]
@@ -398,11 +415,17 @@ def _check_float(
     mean = float(row_sum[good].sum() / n)
     var = float(host[rows:2 * rows][good].sum() / n) - mean * mean
     std = math.sqrt(max(var, 0.0) * n / (n - 1)) if n > 1 else 0.0
-    if bad.any():  # the global extremes include the bad rows: take them over the good ones
+    if not _extremes_needed(n, mean, std, host[rows:2 * rows][good], max_range=max_range, spread_rtol=spread_rtol):
+        if reference is not None and math.isfinite(std):
+            shift = reference._check_distribution(leaf.path, mean, std)
+            if shift is not None:
+                issues.append(shift)
+        return issues
+    if bad.any():  # only over the good rows
         lo_g, hi_g = _row_extremes(xr, np.flatnonzero(good), acc)
         lo, hi = float(lo_g.min()), float(hi_g.max())
     else:
-        lo, hi = float(host[2 * rows]), float(host[2 * rows + 1])
+        lo, hi = (float(v) for v in torch.stack(torch.aminmax(xr)).to(acc).cpu().tolist())
     stats = {"mean": mean, "std": std, "min": lo, "max": hi, "numel": int(n)}
 
     # "std ~ 0 relative to the magnitude", judged on the exact spread (std <= spread / 2)
