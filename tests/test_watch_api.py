@@ -105,6 +105,44 @@ def test_close_leaves_model_optimizer_and_scaler_as_found(quiet):
     opt.step()
 
 
+@pytest.mark.parametrize("policy", ["skip", "raise", "rollback", "pause"])
+def test_a_closed_guard_lets_go_of_the_model_without_the_cycle_collector(policy, tmp_path):
+    # Snapshots, replay records and bundles must not form reference cycles with the guard:
+    # a user who drops the model after close() gets its memory back at once (on a GPU too).
+    import gc
+    import weakref
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # torch's own lazy imports happen here, not below
+
+    def run() -> tuple[weakref.ref, weakref.ref, int]:
+        model = mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        guard = nantrace.watch(model, opt, run_dir=tmp_path / policy, on_anomaly=policy,
+                               config=nantrace.Config(print_incidents=False, rollback_interval=1))
+        for step in range(6):
+            x = torch.randn(4, 8)
+            if step == 3:
+                x[1, 2] = float("nan")
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            try:
+                opt.step()
+            except nantrace.NonFiniteError:
+                break
+        n = len(guard.incidents)
+        guard.close()
+        return weakref.ref(guard), weakref.ref(model), n
+
+    gc.collect()
+    gc.disable()
+    try:
+        guard_ref, model_ref, incidents = run()
+        assert incidents == 1
+        assert guard_ref() is None and model_ref() is None
+    finally:
+        gc.enable()
+
+
 def test_context_manager_closes(quiet):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +31,7 @@ class RollbackPolicy:
     """Snapshots before healthy steps; restores the newest one when an incident calls for it."""
 
     def __init__(self, guard: "Guard") -> None:
-        self.guard = guard
+        self._guard_ref = weakref.ref(guard)  # the guard owns this policy: no cycle, so snapshots go with it
         cfg = guard.config
         self.interval = cfg.rollback_interval
         self.max_retries = cfg.rollback_max_retries
@@ -38,6 +39,13 @@ class RollbackPolicy:
         self.retries = 0
         self.last_rollback: int | None = None
         self._extra_schedulers: list[Any] = []
+
+    @property
+    def guard(self) -> "Guard":
+        guard = self._guard_ref()
+        if guard is None:
+            raise RuntimeError("nantrace: the rollback policy outlived its guard")
+        return guard
 
     def add_scheduler(self, scheduler: Any) -> None:
         self._extra_schedulers.append(scheduler)
