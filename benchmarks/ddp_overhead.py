@@ -184,7 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = args.steps or DEFAULT_STEPS[args.model]
     if args.worker:
         worker(args.model, args.rounds, steps, args.warmup, args.seed, args.out)
-        return 0
+        # Results are written and the process group destroyed: skip interpreter finalisation,
+        # where gloo's C++ threads have been seen to abort a rank at exit after a clean run.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     res = run(args.model, rounds=args.rounds, steps=steps, warmup=args.warmup, seed=args.seed, timeout=args.timeout)
     print_report(res)
     if args.json:
