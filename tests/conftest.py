@@ -13,6 +13,15 @@ import nantrace
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread for tests of tiny models: more threads only add contention (a busy CI machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def quiet() -> nantrace.Config:
     """Default config without console output."""
     return nantrace.Config(print_incidents=False)

@@ -108,9 +108,6 @@ def kinds(guard: nantrace.Guard, exclude: tuple[str, ...] = ("loss_spike", "grad
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """These models are tiny: one intra-op thread is faster, and far faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
+    """Imported by the dynamics test modules: every test there runs on one thread (conftest's ``one_thread``)."""
     yield
-    torch.set_num_threads(threads)

@@ -70,13 +70,8 @@ if __name__ == "__main__":
 '''
 DIVISION_LINE = 9
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _run_registered() -> bool:

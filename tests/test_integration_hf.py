@@ -21,18 +21,11 @@ import nantrace  # noqa: E402
 from conftest import assert_unhooked, same_state  # noqa: E402
 from nantrace.integrations.hf import NanTraceCallback  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 BATCH, ACCUMULATE, MAX_STEPS, FAIL_STEP = 4, 2, 5, 3
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a loaded machine: intra-op threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Tokens(torch.utils.data.Dataset):

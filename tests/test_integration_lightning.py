@@ -24,20 +24,13 @@ import nantrace  # noqa: E402
 from conftest import assert_unhooked, same_state  # noqa: E402
 from nantrace.integrations.lightning import NanTraceCallback  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 BATCH = 4
 FAIL_STEP = 3
 MAX_STEPS = 6
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a loaded machine: intra-op threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class MaskedMean(nn.Module):

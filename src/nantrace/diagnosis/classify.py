@@ -61,12 +61,13 @@ def _fully_masked_rows(x: torch.Tensor, dim: int) -> int:
 
 
 def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | None,
-             param_modules: dict[str, str]) -> Classification:
+             param_modules: dict[str, str], ignored_targets: tuple[int, int] | None = None) -> Classification:
     """The cause of the failure that ``origin`` describes.
 
     ``observed_in`` is ``"forward"`` (the loss/outputs were non-finite) or ``"backward"``
     (finite forward, non-finite gradients). ``low_precision_finite`` is the result of the
-    float32 re-run: True when it was finite there.
+    float32 re-run: True when it was finite there. ``ignored_targets`` is ``(count,
+    ignore_index)`` when the replay saw an NLL loss whose targets were all ignored.
     """
     if origin.external is not None:
         ext = origin.external.external or ""
@@ -135,6 +136,11 @@ def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | N
             denom = stats[1] if short in {"div", "remainder", "fmod", "floor_divide", "true_divide"} and len(stats) > 1 else first
             if rec.in_inf and rec.out_nan and not denom.get("zeros"):
                 return result("inf_arithmetic", "inf / inf")
+            if short == "div" and ignored_targets is not None and len(stats) >= 2 and all(
+                    st.get("zeros") == st.get("numel") for st in stats[:2]):
+                # 0/0 after a loss summed over no label: the labels are the cause, not the division
+                n, ignore = ignored_targets
+                return result("label_out_of_range", f"all {n} labels equal ignore_index={ignore}, so the count divided by is 0")
             if short == "div" and len(stats) == 1:
                 scal = _scalar_args(rec.args)
                 if scal and scal[0] == 0:

@@ -9,7 +9,6 @@ incident. Costs nothing until an incident happens.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,7 @@ import torch
 
 from ..capture import CallRecord, StepCapture, floating_tensors
 from ..diagnosis.classify import LOW_PRECISION, Classification, classify
-from ..diagnosis.patterns import explain, short_op
+from ..diagnosis.patterns import explain
 from .modules import ModuleStack
 from .origin import Origin, chain_summary, trace_back
 from .replay import float32_model, replay_scope, run_unit
@@ -130,23 +129,9 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
         incident.details["localisation"] = "the non-finite value was observed but no traced op produced it"
         return
     origin = trace_back(start)
-    cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=_param_modules(guard))
-    if tracer is not None:
-        cls = _ignored_labels(cls, tracer)
+    cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=_param_modules(guard),
+                   ignored_targets=tracer.ignored_targets if tracer is not None else None)
     _apply(incident, cls, origin, replayable=replayable)
-
-
-def _ignored_labels(cls: Classification, tracer: OpTracer) -> Classification:
-    """A 0/0 after an NLL loss whose targets were all ``ignore_index`` is the labels' fault:
-    the loss summed over no token and divided by a count of zero (Hugging Face's loss with
-    ``num_items_in_batch``, or any hand-written ``sum / mask.sum()``)."""
-    if cls.cause != "div_by_zero" or tracer.ignored_targets is None or short_op(cls.op) != "div" or cls.phase != "forward":
-        return cls
-    if len(cls.stats) < 2 or not all(s.get("zeros") == s.get("numel") for s in cls.stats[:2]):
-        return cls
-    n, ignore = tracer.ignored_targets
-    return dataclasses.replace(cls, cause="label_out_of_range",
-                               detail=f"all {n} labels equal ignore_index={ignore}, so the count divided by is 0")
 
 
 def _apply(incident: "Incident", cls: Classification, origin: Origin, *, replayable: bool) -> None:
