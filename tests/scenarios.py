@@ -608,8 +608,9 @@ def _unpadded_tokens(pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @scenario("rsqrt_of_zero_rmsnorm_padding",
-          Expected("nonfinite_loss", "forward", "aten.rsqrt.default", "norm", "rms_rsqrt", "div_by_zero"),
-          story="RMSNorm written without eps; the padding embedding is the zero vector: rsqrt(0) = inf, 0 * inf")
+          Expected("nonfinite_loss", "forward", "aten.rsqrt.default", "norm", "rms_rsqrt", "zero_variance_norm"),
+          story="RMSNorm written without eps; the padding embedding is the zero vector: rsqrt(0) = inf, 0 * inf. "
+                "The divisor is a root mean square over a constant (zero) slice: a normalisation without eps")
 def _rmsnorm() -> Setup:
     model = RMSTokenNet()
     return Setup(model, _sgd(model), _batches(_unpadded_tokens, lambda: _unpadded_tokens(pad=True)), ce_loss)

@@ -32,6 +32,10 @@ PATTERNS: tuple[Pattern, ...] = (
             "none was used{where}{detail}.",
             "Every label of the batch is the ignore index (e.g. prompt-only samples after masking): drop or re-pack "
             "such batches before training, or divide by max(count, 1)."),
+    Pattern("div_by_zero", ("nll_loss_forward", "nll_loss2d_forward", "nll_loss", "cross_entropy"),
+            "{op} divided by a total class weight of 0{where}{detail}.",
+            "Give every class that can appear as a target a positive weight, or skip batches whose targets all have "
+            "weight 0 (reduction='sum' divided by max(total weight, eps))."),
     Pattern("label_out_of_range", (), "A class index is outside [0, num_classes){detail}.",
             "Check the label mapping and num_classes; validate labels with nantrace.data.validate_batch."),
     Pattern("nonfinite_param", (), "A parameter or buffer was already non-finite before this step{detail}.",
@@ -87,12 +91,44 @@ PATTERNS: tuple[Pattern, ...] = (
             "(e.g. drop empty sequences, or zero the output of empty rows with torch.where)."),
     Pattern("inf_arithmetic", (), "{op} combined infinities (inf - inf, 0 * inf or inf / inf){where}{detail}.",
             "Keep masks finite (torch.finfo(dtype).min) or apply them with masked_fill/where instead of arithmetic."),
+    Pattern("zero_variance_norm", ("std", "var", "std_mean", "var_mean"),
+            "{op} was computed over too few elements{where}{detail}.",
+            "Use correction=0 (unbiased=False) or make sure every slice has at least two elements (batch size > 1, "
+            "no single-token sequences), and add eps before dividing by it."),
+    Pattern("zero_variance_norm", ("div",), "A normalisation divided by a statistic that is zero{where}{detail}.",
+            "Add eps to the statistic before dividing, x / (x.std(dim) + eps), and skip constant slices (padding rows, "
+            "one-sample batches) or mask them out."),
     Pattern("zero_variance_norm", (), "{op} normalised a constant input with eps = 0{where}{detail}.",
             "Use a positive eps (1e-5 is the PyTorch default) so a zero variance does not divide by zero."),
     Pattern("where_gradient_trap", (), "{op} produced non-finite values in the branch torch.where/masking did not select{where}; "
             "its gradient there is 0 × non-finite = NaN{detail}.",
             "Make the unselected branch safe before the op: torch.where(mask, f(torch.where(mask, x, safe_value)), other) "
             "(the 'double where' trick)."),
+    Pattern("overflow", ("native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
+                         "_native_batch_norm_legit_functional", "_fused_rms_norm", "rms_norm"),
+            "{op} was fed values so large that the variance it computes overflowed {dtype}{where}{detail}.",
+            "The input was anything but constant, so eps will not help: find what made the activations huge (a "
+            "learning rate too high or a diverging run, a missing normalisation before this layer, unnormalised "
+            "inputs); lower the LR, lengthen warmup or clip gradients."),
+    Pattern("overflow", (), "{op} produced values beyond the range of {dtype} from finite inputs{where}{detail}.",
+            "This is almost always a symptom: find what made the values huge (a diverging run: lower the learning "
+            "rate, lengthen warmup, clip gradients; unnormalised inputs: normalise them), or compute this op in "
+            "float64 / log space if the magnitudes are genuine."),
+    Pattern("domain_error", ("acos", "asin", "atanh", "acosh", "erfinv"),
+            "{op} got an argument outside its domain{where}{detail}.",
+            "Clamp the argument into the domain first, e.g. x.clamp(-1 + eps, 1 - eps) for acos/asin/atanh; "
+            "rounding makes cosine similarities and normalised dot products exceed ±1 slightly."),
+    Pattern("domain_error", ("_ctc_loss", "ctc_loss"), "CTC found no valid alignment{where}{detail}.",
+            "Make every input sequence at least as long as its target (plus one blank between repeated labels), "
+            "drop such samples, or use F.ctc_loss(..., zero_infinity=True)."),
+    Pattern("domain_error", ("linalg_cholesky_ex", "cholesky", "linalg_inv_ex", "inverse", "linalg_solve_ex",
+                             "_linalg_slogdet", "logdet", "linalg_eigh", "_linalg_eigh", "_linalg_svd", "_linalg_det"),
+            "{op} of a matrix outside its domain{where}{detail}.",
+            "Add jitter to the diagonal before the decomposition (A + eps * I, eps ≈ 1e-6 × mean of the diagonal), "
+            "or parametrise the matrix so that it stays positive definite (L @ L.T + eps * I)."),
+    Pattern("domain_error", (), "{op} got an argument outside its domain{where}{detail}.",
+            "Bound the argument into the op's domain before calling it (clamp, or transform it, e.g. sigmoid for a "
+            "probability), and find which values left it."),
     Pattern("gradient_explosion", (), "Gradients exploded{detail} through a long chain, with no single domain error.",
             "Clip gradients (torch.nn.utils.clip_grad_norm_), lower the learning rate or lengthen warmup, and check "
             "initialisation and normalisation of deep/recurrent paths."),
@@ -129,6 +165,18 @@ PATTERNS: tuple[Pattern, ...] = (
 )
 
 
+# An op that overflowed at the end of a divergence: the divergence is the cause, the op where it broke.
+AT_END_OF_DIVERGENCE: dict[str, Pattern] = {p.cause: p for p in (
+    Pattern("loss_divergence", (), "Training diverged before {op} overflowed{where}{detail}.",
+            "The overflow is a symptom of the divergence: lower the peak learning rate or lengthen warmup, clip "
+            "gradients (clip_grad_norm_), and check the schedule; nantrace's early warning flags such growth before "
+            "it overflows."),
+    Pattern("gradient_explosion", (), "Gradients exploded before {op} overflowed{where}{detail}.",
+            "Clip gradients (torch.nn.utils.clip_grad_norm_), lower the learning rate or lengthen warmup, and check "
+            "initialisation and normalisation of deep/recurrent paths."),
+)}
+
+
 def lookup(cause: str, op: str | None = None) -> Pattern:
     """The most specific pattern for this cause and op (falls back to the cause's generic entry)."""
     short = short_op(op)
@@ -154,12 +202,12 @@ def short_op(op: str | None) -> str:
 
 
 def explain(cause: str, op: str | None = None, *, module: str | None = None,
-            dtype: str | None = None, detail: str = "", max_value: str = "") -> tuple[str, str]:
+            dtype: str | None = None, detail: str = "", max_value: str = "", diverged: bool = False) -> tuple[str, str]:
     """(summary, fix) for a diagnosis, filled in from the pattern library.
 
     ``module`` is only meaningful once the op is localised (``op`` not None).
     """
-    p = lookup(cause, op)
+    p = AT_END_OF_DIVERGENCE[cause] if diverged and op is not None and cause in AT_END_OF_DIVERGENCE else lookup(cause, op)
     if op is None:
         where = ""
     elif module is None:

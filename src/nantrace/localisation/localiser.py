@@ -9,7 +9,9 @@ incident. Costs nothing until an incident happens.
 
 from __future__ import annotations
 
+import os
 import time
+import traceback
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,8 +34,13 @@ def localise_incident(guard: "Guard", incident: "Incident", capture: StepCapture
     start = time.perf_counter()
     try:
         _localise(guard, incident, capture)
-    except Exception as exc:  # a diagnosis that fails must not take the training run down
-        incident.details["localisation_error"] = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # a diagnosis that fails must not take the training run down, nor hide
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        at = f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else ""
+        incident.details["localisation_error"] = f"{type(exc).__name__}: {exc}{at}"
+        if incident.cause == "unknown":
+            incident.summary = (f"{incident.summary} nantrace's own localisation failed ({type(exc).__name__}: {exc}); "
+                                "the bundle keeps the step for `nantrace replay`.")
     finally:
         incident.details["localisation_seconds"] = round(time.perf_counter() - start, 4)
 
@@ -130,7 +137,8 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
         return
     origin = trace_back(start)
     cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=_param_modules(guard),
-                   ignored_targets=tracer.ignored_targets if tracer is not None else None)
+                   ignored_targets=tracer.ignored_targets if tracer is not None else None,
+                   made_by=tracer.made_by if tracer is not None else None, history=incident.history)
     _apply(incident, cls, origin, replayable=replayable)
 
 
@@ -142,14 +150,30 @@ def _apply(incident: "Incident", cls: Classification, origin: Origin, *, replaya
     incident.cause = cls.cause
     incident.input_stats = cls.stats
     incident.chain = chain_summary(origin)
+    if cls.evidence:
+        incident.details["evidence"] = _plain(cls.evidence)
     summary, fix = explain(cls.cause, cls.op, module=cls.module, dtype=cls.dtype, detail=cls.detail,
-                           max_value=f"{torch.finfo(getattr(torch, cls.dtype)).max:g}" if cls.dtype in ("float16", "bfloat16") else "")
+                           max_value=f"{torch.finfo(getattr(torch, cls.dtype)).max:g}" if cls.dtype in ("float16", "bfloat16") else "",
+                           diverged="divergence" in cls.evidence)
     if cls.cause == "nonfinite_param" and cls.detail:
         summary = f"A parameter was already non-finite before step {incident.step}: {cls.detail}."
     incident.summary = summary
     incident.fix = fix
     if origin.intentional_inf:
         incident.details["intentional_inf"] = True
+
+
+def _plain(facts: dict[str, Any]) -> dict[str, Any]:
+    """Evidence as JSON-ready values (non-finite floats as strings)."""
+    out: dict[str, Any] = {}
+    for key, value in facts.items():
+        if isinstance(value, float) and not (value == value and abs(value) != float("inf")):
+            out[key] = str(value)
+        elif isinstance(value, dict):
+            out[key] = _plain(value)
+        else:
+            out[key] = value
+    return out
 
 
 def _in_loss_function(incident: "Incident") -> None:

@@ -34,53 +34,71 @@ class Origin:
     """The infinity on the path came from an explicit constant (a mask), not an overflow."""
 
 
-def _first(refs: list[InputRef], *, nan: bool) -> InputRef | None:
-    for ref in refs:
-        if (ref.nan if nan else ref.inf):
-            return ref
-    return None
+def _earliest(refs: list[InputRef]) -> InputRef:
+    """Of several bad operands, the one made first: values from outside the traced ops
+    (parameters, inputs) before any op, then by execution order, so that when two ops each
+    broke and their results met, the first one that broke is named."""
+    return min(refs, key=lambda r: -1 if r.producer is None else r.producer.index)
+
+
+def _inf_sources(op: OpRecord) -> list[tuple[OpRecord | InputRef, list[OpRecord]]]:
+    """Every place an infinity reaching ``op`` was created: an op with finite inputs (an
+    overflow, or an explicit constant such as a ``-inf`` fill), or an operand from outside
+    the traced ops. Each with the ops from ``op`` back to it."""
+    found: list[tuple[OpRecord | InputRef, list[OpRecord]]] = []
+    seen: set[int] = set()
+    stack: list[tuple[OpRecord, list[OpRecord]]] = [(op, [])]
+    while stack and len(seen) < 10_000:
+        cur, trail = stack.pop()
+        for ref in cur.inputs:
+            if not ref.inf:
+                continue
+            if ref.producer is None:
+                found.append((ref, trail))
+                continue
+            prod = ref.producer
+            if id(prod) in seen:
+                continue
+            seen.add(id(prod))
+            if prod.in_inf and not prod.in_nan:
+                stack.append((prod, trail + [prod]))
+            elif prod.out_inf:
+                found.append((prod, trail + [prod]))
+    return found
 
 
 def trace_back(start: OpRecord) -> Origin:
     """Apply the origin rule from ``start`` (the op where the failure was observed)."""
     path = [start]
     cur = start
-    nan_creator = None
-    external = None
     while cur.out_nan and cur.in_nan:
-        ref = _first(cur.inputs, nan=True)
-        assert ref is not None
+        ref = _earliest([i for i in cur.inputs if i.nan])
         if ref.producer is None:
-            external = ref
-            break
+            return Origin(record=cur, chain=path[::-1], external=ref)
         cur = ref.producer
         path.append(cur)
-    if external is not None:
-        return Origin(record=cur, chain=path[::-1], external=external)
-    if cur.out_nan:
-        nan_creator = cur
-    intentional = False
-    while cur.in_inf:
-        ref = _first(cur.inputs, nan=False)
-        assert ref is not None
-        if ref.producer is None:
-            if ref.external and (ref.external.startswith("param:") or ref.external == "input"):
-                return Origin(record=cur, chain=path[::-1], nan_creator=nan_creator, external=ref)
-            intentional = True  # an inf tensor made outside the traced ops: a constant or mask buffer
-            break
-        cur = ref.producer
-        path.append(cur)
-    inf_creator = cur if (cur.out_inf and cur.creates_nonfinite) else None
-    if inf_creator is not None and inf_creator.is_constant:
-        intentional = True
-    if inf_creator is not None and not intentional:
-        origin = inf_creator
-    elif nan_creator is not None:
-        origin = nan_creator
-    else:
-        origin = cur
-    chain = path[::-1]
-    return Origin(record=origin, chain=chain, nan_creator=nan_creator, inf_creator=inf_creator, intentional_inf=intentional)
+    nan_creator = cur if cur.out_nan else None
+    if not cur.in_inf:
+        if cur.out_inf and cur.creates_nonfinite and cur.is_constant:
+            return Origin(record=nan_creator or cur, chain=path[::-1], nan_creator=nan_creator, inf_creator=cur,
+                          intentional_inf=True)
+        return Origin(record=cur, chain=path[::-1], nan_creator=nan_creator,
+                      inf_creator=cur if cur.out_inf and cur.creates_nonfinite else None)
+    sources = _inf_sources(cur)
+    for src, trail in sources:  # an infinite parameter or batch value is the origin
+        if isinstance(src, InputRef) and src.external and (src.external.startswith("param:") or src.external == "input"):
+            return Origin(record=trail[-1] if trail else cur, chain=(path + trail)[::-1], nan_creator=nan_creator, external=src)
+    overflows = [(src, trail) for src, trail in sources if isinstance(src, OpRecord) and src.creates_nonfinite
+                 and not src.is_constant]
+    if overflows:
+        src, trail = min(overflows, key=lambda item: item[0].index)
+        assert isinstance(src, OpRecord)
+        return Origin(record=src, chain=(path + trail)[::-1], nan_creator=nan_creator, inf_creator=src)
+    # every infinity came from an explicit constant (a mask): intentional; the NaN-creating op is the origin
+    const = next((src for src, _ in sources if isinstance(src, OpRecord)), None)
+    trail = next((t for src, t in sources if src is const), [])
+    return Origin(record=nan_creator or cur, chain=(path + trail)[::-1], nan_creator=nan_creator, inf_creator=const,
+                  intentional_inf=True)
 
 
 def chain_summary(origin: Origin, limit: int = 8) -> list[dict[str, object]]:

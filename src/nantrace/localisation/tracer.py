@@ -96,6 +96,8 @@ class OpInfo:
     record: "OpRecord | None" = None
     args: tuple[Any, ...] | None = None
     kwargs: dict[str, Any] | None = None
+    func: Any = None
+    """The ATen overload itself, so evidence can re-run it in float64."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -127,6 +129,7 @@ class OpRecord:
     args: tuple[Any, ...] | None = None
     kwargs: dict[str, Any] | None = None
     output: torch.Tensor | None = None
+    func: Any = None
 
     @property
     def in_nan(self) -> bool:
@@ -161,16 +164,21 @@ class OpRecord:
         }
 
 
-# Ops whose inputs are worth keeping during a replay: their derivative has singular points,
-# so a backward origin in them is explained by their forward inputs (zeros, ±1, negatives).
 _NLL_FORWARD = {"nll_loss_forward", "nll_loss2d_forward"}
-_KEEP_INPUTS = {
-    "sqrt", "rsqrt", "pow", "linalg_vector_norm", "norm", "acos", "asin", "atan2", "_cdist_forward",
-    "cdist", "div", "reciprocal", "log", "log2", "log10", "log1p", "exp", "expm1", "where", "masked_fill",
-    "_softmax", "_log_softmax", "native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
-    "_native_batch_norm_legit_functional", "native_group_norm", "lgamma", "digamma", "xlogy", "sinh", "cosh",
-    "mm", "bmm", "addmm", "baddbmm", "mul",
-}
+
+
+def _clone_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The op's arguments with the tensors it writes in place cloned, so the evidence sees
+    the values the op read, not the ones it wrote."""
+    out_args, out_kwargs = list(args), dict(kwargs)
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if i < len(out_args) and isinstance(out_args[i], torch.Tensor):
+            out_args[i] = out_args[i].detach().clone()
+        elif isinstance(out_kwargs.get(arg.name), torch.Tensor):
+            out_kwargs[arg.name] = out_kwargs[arg.name].detach().clone()
+    return tuple(out_args), out_kwargs
 
 
 class OpTracer(TorchDispatchMode):
@@ -182,6 +190,8 @@ class OpTracer(TorchDispatchMode):
         self.externals = externals
         self.records: list[OpRecord] = []
         self.producer: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.made_by: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        """Every tensor a forward op made, finite or not, to its op: the provenance of operands."""
         self.node_info: dict[Any, OpInfo] = {}
         self._pending: list[tuple[weakref.ref[torch.Tensor], OpInfo]] = []
         self.index = 0
@@ -194,7 +204,9 @@ class OpTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         node = torch._C._current_autograd_node()
-        pre = self._mutated_flags(func, args, kwargs) if func._schema.is_mutable else None
+        mutable = func._schema.is_mutable
+        pre = self._mutated_flags(func, args, kwargs) if mutable else None
+        kept = _clone_written(func, args, kwargs) if mutable and node is None else (args, kwargs)
         out = func(*args, **kwargs)
         self.index += 1
         self.ops_seen += 1
@@ -203,15 +215,15 @@ class OpTracer(TorchDispatchMode):
         if node is None:
             self.flush()
             short = func._schema.name.split("::")[-1]
-            info = OpInfo(op=name, module=self.modules.current, source=user_source(3), index=self.index)
-            if short.rstrip("_") in _KEEP_INPUTS:
-                info.args, info.kwargs = args, kwargs
+            info = OpInfo(op=name, module=self.modules.current, source=user_source(3), index=self.index,
+                          args=kept[0], kwargs=kept[1], func=func)
             if short in _NLL_FORWARD:
                 self._note_ignored_targets(args)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
         if info is not None:
             for t in outs:
                 self._pending.append((weakref.ref(t), info))
+                self.made_by[t] = info
         bad = [t for t in outs if t.numel() and not bool(torch.isfinite(t).all())]
         if not bad:
             return out
@@ -238,8 +250,9 @@ class OpTracer(TorchDispatchMode):
                 scalar_nonfinite=scalar_nonfinite,
             )
             info.record = record
+        record.func = func
         if (out_nan and not record.in_nan) or record.creates_nonfinite:
-            record.args, record.kwargs, record.output = args, kwargs, bad[0]
+            record.args, record.kwargs, record.output = kept[0], kept[1], bad[0]
         for t in bad:
             self.producer[t] = record
         self.records.append(record)
