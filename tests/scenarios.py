@@ -139,12 +139,15 @@ def build(scn: Scenario, seed: int = 0) -> Setup:
     return scn.build()
 
 
-def run(scn: Scenario, *, on_anomaly: str = "skip", config: nantrace.Config | None = None) -> Outcome:
-    """Train the scenario under ``nantrace.watch`` the way a user's loop would."""
+def run(scn: Scenario, *, on_anomaly: str = "skip", config: nantrace.Config | None = None,
+        replayable: bool | None = None) -> Outcome:
+    """Train the scenario under ``nantrace.watch`` the way a user's loop would (``replayable``
+    overrides the scenario's own choice of wrapping the loss in ``guard.replayable``)."""
     setup = build(scn)
     config = config or nantrace.Config(print_incidents=False)
     guard = nantrace.watch(setup.model, setup.optimizer, setup.scaler, on_anomaly=on_anomaly, config=config)
-    loss_fn = guard.replayable(setup.loss_fn) if scn.replayable else setup.loss_fn
+    wrap = scn.replayable if replayable is None else replayable
+    loss_fn = guard.replayable(setup.loss_fn) if wrap else setup.loss_fn
     unchanged: dict[int, bool] = {}
     raised = None
     steps = 0
@@ -973,9 +976,8 @@ def _ce_ignored() -> Setup:
 
 
 @scenario("cross_entropy_all_ignored_zero_intrusive",
-          Expected("nonfinite_loss", "forward", None, None, None, "unknown", transient=None),
-          reference=False,
-          story="same failure without guard.replayable: the model is cleared, the loss function is named")
+          Expected("nonfinite_loss", "forward", "aten.nll_loss_forward.default", None, "ce_ignored", "label_out_of_range"),
+          story="same failure without guard.replayable: the loss tape replays the loss code")
 def _ce_ignored_zi() -> Setup:
     return _ce_ignored()
 
@@ -1244,9 +1246,9 @@ def _rmse() -> Setup:
 
 
 @scenario("rmse_loss_at_perfect_fit_zero_intrusive",
-          Expected("nonfinite_grad", "backward", None, None, None, "unknown"),
-          reference=False,
-          story="same without guard.replayable: the gradient arriving at the model's output is already NaN")
+          Expected("nonfinite_grad", "backward", "aten.sqrt.default", None, "rmse", "grad_singularity"),
+          story="same without guard.replayable: the gradient arriving at the model's output is already NaN; the loss "
+                "tape replays the loss code's backward")
 def _rmse_zi() -> Setup:
     return _rmse()
 

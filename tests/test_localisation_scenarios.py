@@ -67,6 +67,29 @@ def test_scenario_diagnosis(name: str) -> None:
         assert inc.chain and any(item.get("origin") for item in inc.chain)
 
 
+REPLAYABLE = [n for n in FAILING if SCENARIOS[n].replayable]
+
+
+@pytest.mark.parametrize("name", REPLAYABLE)
+def test_zero_intrusive_gives_the_same_diagnosis(name: str) -> None:
+    """Without ``guard.replayable`` the loss tape replays the loss code: the same op, module,
+    source line, phase and cause as with it (issue 11)."""
+    exp = SCENARIOS[name].expected
+    assert exp is not None
+    out = run(SCENARIOS[name], replayable=False)
+    main = [i for i in out.incidents if i.action != "logged"]
+    assert len(main) == 1, [f"step {i.step}: {i.kind}/{i.cause} {i.summary}" for i in out.incidents]
+    inc = main[0]
+    assert "localisation_error" not in inc.details, inc.details["localisation_error"]
+    got = (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action)
+    assert got == (exp.step, exp.kind, exp.phase, exp.op, exp.module, exp.cause, exp.action), inc.summary
+    if exp.origin is None:
+        assert inc.source is None
+    else:
+        assert inc.source is not None and _source_line(inc.source) == origin_line(exp.origin)
+    assert all(out.unchanged.values())
+
+
 @pytest.mark.parametrize("name", HEALTHY)
 def test_legitimate_masks_are_never_reported(name: str) -> None:
     out = outcome(name)

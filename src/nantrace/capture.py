@@ -103,6 +103,8 @@ class StepCapture:
     inputs_ok: torch.Tensor | None = None
     outputs_ok: torch.Tensor | None = None
     local_grads_ok: torch.Tensor | None = None
+    tape: Any = None
+    """The step's :class:`~nantrace.loss_tape.LossTape` (the loss code's calls), when one is kept."""
 
     def and_inputs(self, flag: torch.Tensor) -> None:
         self.inputs_ok = flag if self.inputs_ok is None else self.inputs_ok & flag

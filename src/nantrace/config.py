@@ -73,6 +73,10 @@ class Config:
     keep_output_grads: bool = True
     """Keep the gradient arriving at the model's outputs so backward origins can be replayed without the loss."""
 
+    record_loss_code: bool = True
+    """Keep a tape of the torch calls between the model's forward and ``backward()`` (the loss code), so an origin
+    there is localised without ``guard.replayable``."""
+
     flight_recorder: int = 32
     """How many recent steps' health figures are kept in memory and attached to an incident."""
 

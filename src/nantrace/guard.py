@@ -53,6 +53,7 @@ from .dynamics.registry import build_monitors
 from .distributed import Agreement, agree, install_local_grad_check, world
 from .errors import NonFiniteError
 from .incident import Incident
+from .loss_tape import LossTape
 from .response.policies import action_for
 from .response.precision import PrecisionFallback
 from .response.rollback_policy import RollbackPolicy
@@ -122,7 +123,8 @@ class Guard:
 
         self._handles: list[Any] = []
         self._scaler_originals: dict[str, Any] = {}
-        self._capture = StepCapture()
+        self._tape = LossTape() if config.record_loss_code else None
+        self._capture = self._new_capture()
         self._decision: _Decision | None = None
         self._in_scaler_step = False
         self._unscaled = False
@@ -206,7 +208,14 @@ class Guard:
         self.store.set_meta("cwd", os.getcwd())  # source paths in incidents are relative to it
 
     # ------------------------------------------------------------ capture hooks
+    def _new_capture(self) -> StepCapture:
+        if self._tape is not None:
+            self._tape.reset()
+        return StepCapture(tape=self._tape)
+
     def _forward_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._tape is not None:
+            self._tape.pause()  # the model's own ops are replayed from its inputs, not taped
         if self.closed or self._replaying or not torch.is_grad_enabled():
             return
         record = ForwardRecord(
@@ -239,6 +248,8 @@ class Guard:
             for i, t in enumerate(outputs):
                 if t.requires_grad:
                     t.register_hook(functools.partial(_keep_grad, record, i))
+        if self._tape is not None:
+            self._tape.resume()
 
     def _snapshot_buffers(self) -> dict[str, torch.Tensor] | None:
         if not self.config.snapshot_buffers:
@@ -256,6 +267,9 @@ class Guard:
     def _on_loss(self, loss: torch.Tensor) -> None:
         if self.closed or self._replaying:
             return
+        if self._tape is not None:
+            self._tape.note_loss(loss)
+            self._tape.pause()
         if self._capture.forwards or self._capture.calls:
             self._record_loss(loss)
 
@@ -288,6 +302,8 @@ class Guard:
 
     # ------------------------------------------------------------ step hooks
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        if self._tape is not None:
+            self._tape.pause()
         if self.closed:
             return None
         if self._in_scaler_step:
@@ -571,7 +587,7 @@ class Guard:
             if self.monitors and not raised:
                 self._run_monitors(decision, applied=not skipped)
         self.step += 1
-        self._capture = StepCapture()
+        self._capture = self._new_capture()
         self._decision = None
         self._unscaled = False
 
@@ -619,7 +635,7 @@ class Guard:
 
     def _finish_closure_step(self) -> None:
         self.step += 1
-        self._capture = StepCapture()
+        self._capture = self._new_capture()
 
     def _lrs(self) -> list[float]:
         if self.optimizer is None:
@@ -658,6 +674,8 @@ class Guard:
             unpatch_scaler(self.scaler, self._scaler_originals)
             self._scaler_originals.clear()
         INTERCEPTOR.remove(id(self))
+        if self._tape is not None:
+            self._tape.detach()
         self._capture = StepCapture()
         if self.store is not None:
             self.store.close()

@@ -144,6 +144,9 @@ def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | N
     else:
         cause, detail, facts = _forward_cause(rec, ctx)
     cause, detail = _with_history(cause, detail, ctx.history, facts)
+    if cause == "where_gradient_trap" and backward and fwd is not None:
+        # named by the forward op that made the non-finite value in the unselected branch
+        base.update(phase="forward", module=fwd.module, source=fwd.source)
     return Classification(cause=cause, detail=detail, evidence=facts, **base)  # type: ignore[arg-type]
 
 
@@ -173,8 +176,7 @@ def _forward_cause(rec: OpRecord, ctx: _Context) -> Verdict:
     elif ref.error:
         facts["float64_error"] = ref.error
 
-    if dtype in LOW_PRECISION and (ctx.low_precision_finite or (ref_bad is not None and bool(torch.isfinite(ref_bad).all())
-                                                                and ctx.low_precision_finite is not False)):
+    if dtype in LOW_PRECISION and _fits_float32(ref_bad, ctx.low_precision_finite):
         return "precision_overflow", f"{str(dtype).removeprefix('torch.')} max is {torch.finfo(dtype).max:g}", facts
 
     for family, rule in _FORWARD_RULES:
@@ -183,6 +185,18 @@ def _forward_cause(rec: OpRecord, ctx: _Context) -> Verdict:
             if verdict is not None:
                 return verdict
     return _generic(rec, short, args, kwargs, out, mask, operands, ref_bad, ref, facts)
+
+
+def _fits_float32(ref_bad: torch.Tensor | None, float32_rerun_finite: bool | None) -> bool:
+    """A low-precision failure is a precision overflow only if float32 would have held the values:
+    the float32 re-run of the step was finite, or the float64 values at the bad elements fit float32.
+    (bfloat16 shares float32's range: a bfloat16 result beyond it is a genuine overflow.)"""
+    if float32_rerun_finite is False:
+        return False
+    if ref_bad is None:
+        return bool(float32_rerun_finite)
+    return bool(torch.isfinite(ref_bad).all()) and float(ref_bad.abs().max(), ) <= torch.finfo(torch.float32).max \
+        if ref_bad.numel() else bool(float32_rerun_finite)
 
 
 def _with_infinite_operands(rec: OpRecord, short: str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -568,7 +582,7 @@ def _generic(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tenso
     if bool(finite.all()):
         big = float(ref_bad.abs().max()) if ref_bad.numel() else 0.0
         facts["float64_abs_max"] = big
-        if dtype in LOW_PRECISION:
+        if dtype in LOW_PRECISION and big <= torch.finfo(torch.float32).max:
             return "precision_overflow", f"{name} max is {finfo.max:g}", facts
         if short in EXP_OPS:
             return "exp_overflow", f"the result reaches {ev.fmt(big)} in float64, beyond {name}'s max {finfo.max:.4g}", facts

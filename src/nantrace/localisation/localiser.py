@@ -21,6 +21,7 @@ from ..diagnosis.classify import LOW_PRECISION, Classification, classify
 from ..diagnosis.patterns import explain
 from .modules import ModuleStack
 from .origin import Origin, chain_summary, trace_back
+from .loss_replay import replay_tape
 from .replay import float32_model, replay_scope, run_unit
 from .tracer import OpRecord, OpTracer
 
@@ -85,9 +86,12 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
     observed_in: str | None = None
     start: OpRecord | None = None
     origin: Origin | None = None
-    failing_unit = None
+    failing_unit: Any = None
     tracer: OpTracer | None = None
     finite32: bool | None = None
+    tape = capture.tape if not replayable else None
+    # The loss was non-finite while the model's outputs were finite: the loss code is where it began.
+    loss_side = incident.kind == "nonfinite_loss" and outputs_finite is True and tape is not None and tape.usable
     with replay_scope(guard):
         for index, unit in enumerate(units):
             modules = ModuleStack(guard.root)
@@ -99,6 +103,8 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
                 observed_in = "forward"
                 bad = [t for t in result.observed if not bool(torch.isfinite(t).all())]
                 start = next((tracer.producer.get(t) for t in bad if tracer.producer.get(t) is not None), None)
+            elif loss_side:
+                continue
             elif result.output_grads_finite is False and outputs_finite is not False:
                 observed_in = "loss_function"
             elif result.grads_finite is False:
@@ -109,8 +115,28 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
             failing_unit = unit
             incident.details["replayed_unit"] = index
             break
+        if observed_in in (None, "loss_function") and tape is not None and tape.usable \
+                and outputs_finite is not False:
+            # The model replays finite: the failure was born in the loss code. Replay the tape.
+            modules = ModuleStack(guard.root)
+            tracer = OpTracer(modules, externals)
+            with modules, tracer:
+                taped = replay_tape(tape, tracer)
+            incident.details["loss_code_replayed"] = len(tape.entries)
+            if taped.error is not None:
+                incident.details["loss_code_error"] = f"{type(taped.error).__name__}: {taped.error}"
+            elif not taped.forward_finite and taped.loss is not None:
+                observed_in, failing_unit = "forward", tape
+                start = tracer.producer.get(taped.loss)
+            elif taped.grads_finite is False:
+                observed_in, failing_unit = "backward", tape
+                start = next((r for r in tracer.records if r.phase == "backward"), None)
+        elif observed_in == "loss_function" and tape is not None and not replayable:
+            incident.details["loss_code"] = ("not replayable: " + ("more than the tape's limit of calls"
+                                             if tape.truncated else "the loss code left no tape"))
         incident.details["ops_replayed"] = tracer.ops_seen if tracer is not None else 0
-        if observed_in is not None and failing_unit is not None and guard.config.precision_check and _is_low_precision(guard, failing_unit):
+        if observed_in is not None and failing_unit is not None and failing_unit is not tape and guard.config.precision_check \
+                and _is_low_precision(guard, failing_unit):
             with float32_model(guard.root):
                 r32 = run_unit(guard, failing_unit, full_precision=True, backward=observed_in == "backward")
             finite32 = r32.forward_finite and r32.grads_finite is not False

@@ -196,6 +196,8 @@ class OpTracer(TorchDispatchMode):
         self._pending: list[tuple[weakref.ref[torch.Tensor], OpInfo]] = []
         self.index = 0
         self.ops_seen = 0
+        self.source_override: str | None = None
+        """The user's line to attribute forward ops to, when they are re-issued by nantrace (the loss tape)."""
         self.ignored_targets: tuple[int, int] | None = None
         """(count, ignore_index) of the last forward NLL loss whose targets were all ignored."""
 
@@ -215,7 +217,7 @@ class OpTracer(TorchDispatchMode):
         if node is None:
             self.flush()
             short = func._schema.name.split("::")[-1]
-            info = OpInfo(op=name, module=self.modules.current, source=user_source(3), index=self.index,
+            info = OpInfo(op=name, module=self.modules.current, source=self.source_override or user_source(3), index=self.index,
                           args=kept[0], kwargs=kept[1], func=func)
             if short in _NLL_FORWARD:
                 self._note_ignored_targets(args)

@@ -1,0 +1,182 @@
+"""The loss tape: a record of the few torch calls a step issues between the watched model's
+forward and ``backward()`` (the user's loss code), so that a failure born there can be
+replayed and localised without ``guard.replayable``.
+
+A ``TorchFunctionMode`` is on the mode stack only in that window (pushed when the model's
+forward returns, popped when its next forward starts, when ``backward()`` is called or when
+the optimizer steps), so the model's own ops and the optimizer's never pay for it. Each
+call is kept as (function, arguments, user's source line); a tensor argument made by an
+earlier call on the tape is kept as a reference to that call's output, not as the tensor,
+so the tape holds no intermediate alive: only what the loss code received from outside
+(the model's outputs, the targets), which the user's own frame holds anyway. A replay
+re-issues the calls on copies of those, under the op tracer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from .localisation.tracer import user_source
+
+MAX_ENTRIES = 256
+"""Calls kept per step; a loss computation longer than this is not replayed (said so in the diagnosis)."""
+
+_READS = frozenset({
+    "item", "tolist", "numpy", "dim", "size", "numel", "__len__", "__bool__", "__float__", "__int__", "__index__",
+    "__format__", "__repr__", "__str__", "is_floating_point", "is_complex", "data_ptr", "element_size", "nelement",
+    "stride", "storage_offset", "is_contiguous", "__hash__", "__eq__", "__ne__", "backward", "register_hook",
+    "retain_grad", "__reduce_ex__", "__deepcopy__", "untyped_storage", "_version", "__array__",
+})
+_STOPS = frozenset({"backward"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ref:
+    """A tensor made by an earlier call on the tape: output ``slot`` of call ``entry``."""
+
+    entry: int
+    slot: int
+
+
+@dataclasses.dataclass(slots=True)
+class Entry:
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    source: str | None
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if not name and hasattr(func, "__self__"):
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name
+
+
+def tensors_of(out: Any) -> list[torch.Tensor]:
+    """The tensor outputs of a call, in a fixed order (a tensor, or a tuple/list/named tuple of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+class LossTape(TorchFunctionMode):
+    """Records the torch calls of one step's loss code; see the module docstring."""
+
+    def __init__(self, limit: int = MAX_ENTRIES) -> None:
+        super().__init__()
+        self.limit = limit
+        self.entries: list[Entry] = []
+        self.truncated = False
+        self.loss: Ref | None = None
+        self.failed: tuple[int, BaseException] | None = None
+        """(index of the call that raised, the exception), when the loss code raised."""
+        self._made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._recording = False
+        self.on_exception: Callable[[BaseException], None] | None = None
+
+    # ------------------------------------------------------------------ the mode stack
+    def resume(self) -> None:
+        """Start (or go on) recording: the watched model's forward has just returned."""
+        if not self._on_stack():
+            torch._C._push_on_torch_function_stack(self)
+        self._recording = True
+
+    def pause(self) -> None:
+        """Stop recording and leave the mode stack if nothing was pushed above the tape."""
+        self._recording = False
+        if self._on_top():
+            torch._C._pop_torch_function_stack()
+
+    def _on_top(self) -> bool:
+        n = torch._C._len_torch_function_stack()
+        return n > 0 and torch._C._get_function_stack_at(n - 1) is self
+
+    def _on_stack(self) -> bool:
+        n = torch._C._len_torch_function_stack()
+        return any(torch._C._get_function_stack_at(i) is self for i in range(n))
+
+    def detach(self) -> None:
+        """Leave the mode stack for good (``Guard.close``), even when other modes were pushed above."""
+        self._recording = False
+        self.reset()
+        if not self._on_stack():
+            return
+        above: list[Any] = []
+        while torch._C._len_torch_function_stack() and not self._on_top():
+            above.append(torch._C._pop_torch_function_stack())
+        if self._on_top():
+            torch._C._pop_torch_function_stack()
+        for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)
+
+    def reset(self) -> None:
+        """Forget the step's calls (the next step starts a new tape)."""
+        self.entries = []
+        self.truncated = False
+        self.loss = None
+        self.failed = None
+        self._made = WeakTensorKeyDictionary()
+
+    # ------------------------------------------------------------------ recording
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self._recording:
+            return func(*args, **kwargs)
+        name = _name(func)
+        if name in _STOPS:
+            self._recording = False
+            return func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as exc:
+            if name not in _READS and len(self.entries) < self.limit:
+                self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2)))
+                self.failed = (len(self.entries) - 1, exc)
+                if self.on_exception is not None:
+                    self.on_exception(exc)
+            raise
+        if name in _READS or not (out is None or isinstance(out, (torch.Tensor, tuple, list))):
+            return out
+        outs = tensors_of(out)
+        if out is not None and not outs:
+            return out
+        if len(self.entries) >= self.limit:
+            self.truncated = True
+            return out
+        index = len(self.entries)
+        self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2)))
+        for slot, t in enumerate(outs):
+            self._made[t] = Ref(index, slot)
+        return out
+
+    def _encode(self, obj: Any, depth: int = 0) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._made.get(obj, obj)
+        if depth > 3:
+            return obj
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._encode(v, depth + 1) for v in obj)
+        if isinstance(obj, list):
+            return [self._encode(v, depth + 1) for v in obj]
+        if isinstance(obj, dict):
+            return {k: self._encode(v, depth + 1) for k, v in obj.items()}
+        return obj
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """The tensor ``backward()`` was called on: where a replay of the tape ends."""
+        ref = self._made.get(loss)
+        if ref is not None:
+            self.loss = ref
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.entries) and not self.truncated and (self.loss is not None or self.failed is not None)
