@@ -3,7 +3,7 @@
 Every case of tests/cause_matrix.py is trained under ``nantrace.watch`` exactly as
 tests/scenarios.py ``run()`` does (cases whose origin is in the loss function twice: with
 ``guard.replayable(loss_fn)`` and zero-intrusive), and its incident's (phase, op, module,
-cause, source line) must equal the verdict of tests/cause_oracle.py on the same program.
+cause, source line, and the step) must equal the verdict of tests/cause_oracle.py on the same program.
 The oracle itself is checked against hand-computed expectations: on every matrix case (the
 family's expectation), on ~20 cases spelled out in full below, and on the hand-written
 scenarios of tests/scenarios.py.
@@ -117,12 +117,12 @@ def _fmt(key: Key | None) -> str:
     if key[0] == "crash":
         return f"crash {key[1]}: {key[2]}"
     step, phase, op, module, cause, source = key
-    return f"step={step} phase={phase} op={op} module={module!r} cause={cause} source={source}"
+    return f"{cause} {op} module={module!r} phase={phase} step={step} {source}"
 
 
 def _fields(key: Key | None) -> Key | None:
-    """The compared fields: phase, op, module, cause, source (the step is shown, not compared)."""
-    return None if key is None or key[0] == "crash" else key[1:]
+    """The compared fields: step, phase, op, module, cause, source."""
+    return None if key is None or key[0] == "crash" else key
 
 
 def write_report(path: str = REPORT) -> str:
@@ -132,10 +132,10 @@ def write_report(path: str = REPORT) -> str:
         if _fields(want) == _fields(got) and want is not None:
             totals[variant][0] += 1
         else:
-            lines.append(f"{name} [{variant}]\n    oracle:   {_fmt(want)}\n    nantrace: {_fmt(got)}")
+            lines.append(f"{name} [{variant}] | oracle: {_fmt(want)} | nantrace: {_fmt(got)}")
     agree = sum(a for a, _ in totals.values())
     total = sum(n for _, n in totals.values())
-    head = [f"cause oracle vs nantrace: {agree}/{total} runs agree on (phase, op, module, cause, source)",
+    head = [f"cause oracle vs nantrace: {agree}/{total} runs agree on (step, phase, op, module, cause, source)",
             f"written {time.strftime('%Y-%m-%d %H:%M:%S')}; nantrace from {_nantrace_path()}",
             "per variant: " + ", ".join(f"{v} {a}/{n}" for v, (a, n) in totals.items()),
             "command: cd /work/wtoracle && PYTHONPATH=/work/main/src /work/main/.venv/bin/python tests/test_cause_matrix.py",
