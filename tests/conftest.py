@@ -69,3 +69,7 @@ def assert_unhooked(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         assert set(scaler.__dict__) == scaler_keys
     assert not INTERCEPTOR.installed
     assert torch.autograd.backward.__module__ == "torch.autograd"
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "cause_matrix: the cause oracle and its generated matrix (tests/test_cause_matrix.py)")
