@@ -336,9 +336,9 @@ _FAMILIES = [
     Family("div_count", s_div_count, "aten.div.Tensor", "div_by_zero", _pos, _row(0.0),
            story="a mean over the positive entries of an all-zero row: 0/0"),
     Family("reciprocal", s_reciprocal, "aten.reciprocal.default", "div_by_zero", _pos, _set(0.0, 0, 5)),
-    Family("rms_manual", s_rms_manual, "aten.rsqrt.default", "div_by_zero", _normal, _row(0.0),
+    Family("rms_manual", s_rms_manual, "aten.rsqrt.default", "zero_variance_norm", _normal, _row(0.0),
            story="RMSNorm by hand without eps on a zero row"),
-    Family("rms_norm", s_rms_norm, "aten.rsqrt.default", "div_by_zero", _normal, _row(0.0),
+    Family("rms_norm", s_rms_norm, "aten.rsqrt.default", "zero_variance_norm", _normal, _row(0.0),
            story="F.rms_norm(eps=0) on a zero row (decomposes to rsqrt)"),
     # ---- roots
     Family("sqrt", s_sqrt, "aten.sqrt.default", "sqrt_negative", _pos, _set(-2.0, 1, 1)),

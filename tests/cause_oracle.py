@@ -334,11 +334,26 @@ def _ancestors(rec: Rec | None, depth: int = 6) -> list[Rec]:
     return out
 
 
+_MEANS = {"aten.mean.dim", "aten.mean.default", "aten.sum.dim_IntList", "aten.sum.default"}
+
+
+def _is_square_of(rec: Rec | None) -> bool:
+    """``x ** 2`` or ``x * x``: the square inside a root mean square."""
+    if rec is None:
+        return False
+    if rec.op == "aten.pow.Tensor_Scalar" and len(rec.args) > 1 and rec.args[1] == 2:
+        return True
+    return rec.op == "aten.mul.Tensor" and len(rec.args) > 1 and rec.args[0] is rec.args[1]
+
+
 def _statistic_behind(i: Input) -> Rec | None:
-    """The std/var record a divisor was computed from (through views, casts, sqrt, + eps), if any."""
+    """The std/var record a divisor was computed from (through views, casts, sqrt, + eps), if any;
+    also the mean of squares of a root mean square (an RMSNorm written by hand)."""
     rec, hops = i.producer, 0
     while rec is not None and hops < 6:
         if rec.op in _STATISTICS:
+            return rec
+        if rec.op in _MEANS and rec.inputs and _is_square_of(rec.inputs[0].producer):
             return rec
         if rec.op not in _TRANSPARENT or not rec.inputs:
             return None

@@ -176,6 +176,10 @@ def _forward_cause(rec: OpRecord, ctx: _Context) -> Verdict:
     elif ref.error:
         facts["float64_error"] = ref.error
 
+    if short in NORM_OPS:  # a variance beyond float32 is an overflow whatever the dtype; the op's float64 re-run hides it
+        verdict = _norm_rule(rec, short, args, kwargs, out, mask, operands, ref_bad, ctx, facts)
+        if verdict is not None and verdict[0] == "overflow":
+            return verdict
     if dtype in LOW_PRECISION and _fits_float32(ref_bad, ctx.low_precision_finite):
         return "precision_overflow", f"{str(dtype).removeprefix('torch.')} max is {torch.finfo(dtype).max:g}", facts
 
@@ -231,12 +235,16 @@ def _producer(ctx: _Context, t: Any, hops: int = 4) -> OpInfo | None:
     info = ctx.made_by.get(t)
     seen = 0
     while info is not None and seen < hops and short_op(info.op) in PASS_THROUGH:
-        src = next((a for a in (info.args or ()) if isinstance(a, torch.Tensor)), None)
-        nxt = ctx.made_by.get(src) if src is not None else None
+        nxt = _parent(info)
         if nxt is None:
             break
         info, seen = nxt, seen + 1
     return info
+
+
+def _parent(info: OpInfo) -> OpInfo | None:
+    """The op that made ``info``'s first tensor argument."""
+    return info.parents[0] if info.parents else None
 
 
 def _log_rule(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tensor, mask: torch.Tensor,
@@ -334,15 +342,13 @@ def _statistic(ctx: _Context, t: Any) -> tuple[str, OpInfo] | None:
         if kind in {"sum", "mean", "count_nonzero"}:
             if _is_count(info):
                 return "count", info
-            src = _first_tensor(info)
-            inner = ctx.made_by.get(src) if src is not None else None
+            inner = _parent(info)
             if inner is not None and _is_square(inner):
                 return "rms", inner
             return None
         if kind not in PASS_THROUGH:
             return None
-        src = _first_tensor(info)
-        info = ctx.made_by.get(src) if src is not None else None
+        info = _parent(info)
     return None
 
 
@@ -446,7 +452,7 @@ def _norm_rule(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Ten
     g = groups.double()
     n = g.shape[-1]
     amax = float(g.abs().max()) if g.numel() else 0.0
-    finfo = torch.finfo(x.dtype)
+    finfo = torch.finfo(torch.float32 if x.dtype in LOW_PRECISION else x.dtype)  # half types accumulate in float32
     facts.update(eps=eps, input_abs_max=amax, slice_size=n)
     if amax > math.sqrt(finfo.max) / max(n, 1) ** 0.5:
         return ("overflow", f"input values up to {ev.fmt(amax)}: their variance (~{ev.fmt(amax * amax)}) exceeds "

@@ -98,6 +98,8 @@ class OpInfo:
     kwargs: dict[str, Any] | None = None
     func: Any = None
     """The ATen overload itself, so evidence can re-run it in float64."""
+    parents: "list[OpInfo | None]" = dataclasses.field(default_factory=list)
+    """For each tensor argument, the forward op that made it (provenance; in-place ops keep their source)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -218,7 +220,8 @@ class OpTracer(TorchDispatchMode):
             self.flush()
             short = func._schema.name.split("::")[-1]
             info = OpInfo(op=name, module=self.modules.current, source=self.source_override or user_source(3), index=self.index,
-                          args=kept[0], kwargs=kept[1], func=func)
+                          args=kept[0], kwargs=kept[1], func=func,
+                          parents=[self.made_by.get(a) for a in args if isinstance(a, torch.Tensor)])
             if short in _NLL_FORWARD:
                 self._note_ignored_targets(args)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
