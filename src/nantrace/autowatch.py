@@ -106,7 +106,10 @@ class AutoWatch:
     def __enter__(self) -> "AutoWatch":
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if isinstance(exc, Exception):  # the script crashed: diagnose it while the step is still in memory
+            for guard in self.guards:
+                guard.diagnose_exception(exc)
         self.close()
 
     @property

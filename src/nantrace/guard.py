@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 import weakref
 from collections import deque
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from . import console
+from ._excepthook import EXCEPTHOOK
 from ._interception import INTERCEPTOR
 from ._scaler_hooks import patch_scaler, unpatch_scaler
 from .capture import (
@@ -181,13 +183,16 @@ class Guard:
 
     def _install(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._forward_post, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._forward_post, with_kwargs=True, always_call=True))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
         if self.scaler is not None:
             self._scaler_originals = patch_scaler(self)
         INTERCEPTOR.add(id(self), self._on_loss)
+        EXCEPTHOOK.add(id(self), self.diagnose_exception)
+        if self._tape is not None:
+            self._tape.on_exception = self.diagnose_exception
         self.checks_local_grads = self.world_size > 1 and install_local_grad_check(self)
 
     def _write_meta(self) -> None:
@@ -232,6 +237,9 @@ class Guard:
                 self._capture.and_inputs(flag)
 
     def _forward_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if output is None and sys.exc_info()[1] is not None:  # the forward raised (an always-called hook)
+            self.diagnose_exception(sys.exc_info()[1])  # type: ignore[arg-type]
+            return
         if self.closed or self._replaying or not torch.is_grad_enabled() or not self._capture.forwards:
             return
         record = self._capture.forwards[-1]
@@ -524,6 +532,45 @@ class Guard:
         incident.bundle = write_bundle(self, incident, self._capture)
         self._bundles_written += 1
 
+    # ------------------------------------------------------------ failures that raise
+    def diagnose_exception(self, exc: BaseException) -> Incident | None:
+        """Diagnose an exception the current step raised (called by nantrace's own hooks: the
+        model's forward, the loss code, ``with guard:`` and an uncaught exception).
+
+        When a value caused it (a NaN reaching an op that validates its input, an index out of
+        range, an argument outside an op's domain) an incident of kind ``exception`` is recorded,
+        printed and bundled, and returned; the exception itself is left to propagate unchanged.
+        Anything else returns ``None``. Each exception is diagnosed once.
+        """
+        if self.closed or self._replaying or not isinstance(exc, Exception) or isinstance(exc, NonFiniteError):
+            return None
+        if getattr(exc, "_nantrace_seen", False):
+            return None
+        with contextlib.suppress(AttributeError, TypeError):
+            exc._nantrace_seen = True  # type: ignore[attr-defined]
+        if not (self._capture.forwards or self._capture.calls):
+            return None
+        from .localisation.exceptions import diagnose_exception, is_value_message
+
+        incident = Incident(step=self.step, kind="exception", phase=None, op=None, module=None, source=None,
+                            rank=self.rank, cause="unknown", summary="", fix="", action="raised",
+                            details={}, history=list(self._recorder))
+        try:
+            with torch.no_grad():
+                found = diagnose_exception(self, incident, self._capture, exc)
+        except Exception as err:  # never replace the user's exception with ours
+            incident.details["localisation_error"] = f"{type(err).__name__}: {err}"
+            found = is_value_message(str(exc))
+            incident.summary = f"The step raised {type(exc).__name__}: {exc}; nantrace's replay of it failed ({err})."
+            incident.fix = "Re-run with nantrace replay on the bundle to see the origin of the bad value."
+        if not found:
+            return None
+        if self.store is not None and self.config.save_bundle and not self.sharded:
+            self._write_bundle(incident)
+        self._record(incident)
+        self._capture = self._new_capture()
+        return incident
+
     # ------------------------------------------------------------ data layer
     def record_data_incident(self, issue: Any) -> None:
         """Record a finding of the data layer (``nantrace.data.ValidatingCollate``) as an incident.
@@ -674,7 +721,9 @@ class Guard:
             unpatch_scaler(self.scaler, self._scaler_originals)
             self._scaler_originals.clear()
         INTERCEPTOR.remove(id(self))
+        EXCEPTHOOK.remove(id(self))
         if self._tape is not None:
+            self._tape.on_exception = None
             self._tape.detach()
         self._capture = StepCapture()
         if self.store is not None:
@@ -683,13 +732,16 @@ class Guard:
     def __enter__(self) -> "Guard":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if isinstance(exc, Exception):
+            self.diagnose_exception(exc)
         self.close()
 
     def __del__(self) -> None:  # a forgotten guard must not leave the backward patch behind
         try:
             if not self.closed:
                 INTERCEPTOR.remove(id(self))
+                EXCEPTHOOK.remove(id(self))
         except Exception:
             pass
 

@@ -533,7 +533,11 @@ def _nll_rule(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tens
 
 def _linalg_rule(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tensor, mask: torch.Tensor,
                  operands: dict[str, torch.Tensor], ref_bad: Any, ctx: _Context, facts: dict[str, Any]) -> Verdict | None:
-    a = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    return "domain_error", matrix_detail(args[0] if args else None, facts), facts
+
+
+def matrix_detail(a: Any, facts: dict[str, Any]) -> str:
+    """Why a decomposition of ``a`` fails: its smallest eigenvalue (symmetric) or its determinant."""
     detail = "a singular or non-positive-definite matrix"
     if a is not None and a.dim() >= 2 and a.shape[-1] == a.shape[-2]:
         try:
@@ -548,7 +552,7 @@ def _linalg_rule(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.T
                 detail = f"|det| = {ev.fmt(det)}: the matrix is singular"
         except RuntimeError:
             pass
-    return "domain_error", detail, facts
+    return detail
 
 
 def _ctc_rule(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tensor, mask: torch.Tensor,

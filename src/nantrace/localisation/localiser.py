@@ -46,7 +46,7 @@ def localise_incident(guard: "Guard", incident: "Incident", capture: StepCapture
         incident.details["localisation_seconds"] = round(time.perf_counter() - start, 4)
 
 
-def _externals(guard: "Guard", units: list[Any]) -> dict[int, str]:
+def externals_of(guard: "Guard", units: list[Any]) -> dict[int, str]:
     ext: dict[int, str] = {}
     for name, p in guard.root.named_parameters():
         ext[id(p)] = f"param:{name}"
@@ -58,7 +58,7 @@ def _externals(guard: "Guard", units: list[Any]) -> dict[int, str]:
     return ext
 
 
-def _param_modules(guard: "Guard") -> dict[str, str]:
+def param_modules(guard: "Guard") -> dict[str, str]:
     names = [n for n, _ in guard.root.named_parameters()] + [n for n, _ in guard.root.named_buffers()]
     return {n: n.rpartition(".")[0] for n in names}
 
@@ -82,7 +82,7 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
     # not, the gradients recorded at the outputs came back from a non-finite loss and say
     # nothing about the loss function.
     outputs_finite = None if capture.outputs_ok is None else bool(capture.outputs_ok)
-    externals = _externals(guard, units)
+    externals = externals_of(guard, units)
     observed_in: str | None = None
     start: OpRecord | None = None
     origin: Origin | None = None
@@ -162,7 +162,7 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
         incident.details["localisation"] = "the non-finite value was observed but no traced op produced it"
         return
     origin = trace_back(start)
-    cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=_param_modules(guard),
+    cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=param_modules(guard),
                    ignored_targets=tracer.ignored_targets if tracer is not None else None,
                    made_by=tracer.made_by if tracer is not None else None, history=incident.history)
     _apply(incident, cls, origin, replayable=replayable)

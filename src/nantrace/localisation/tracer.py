@@ -169,6 +169,24 @@ class OpRecord:
 _NLL_FORWARD = {"nll_loss_forward", "nll_loss2d_forward"}
 
 
+@dataclasses.dataclass(eq=False)
+class FailedOp:
+    """An op that raised during a replay: what it received and where its inputs came from."""
+
+    op: str
+    func: Any
+    phase: str
+    module: str | None
+    source: str | None
+    inputs: list[InputRef]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    error: BaseException
+    index: int
+    parents: "list[OpInfo | None]" = dataclasses.field(default_factory=list)
+    """The forward ops that made its tensor arguments (e.g. the decomposition whose ``info`` a check raised on)."""
+
+
 def _clone_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The op's arguments with the tensors it writes in place cloned, so the evidence sees
     the values the op read, not the ones it wrote."""
@@ -198,6 +216,8 @@ class OpTracer(TorchDispatchMode):
         self._pending: list[tuple[weakref.ref[torch.Tensor], OpInfo]] = []
         self.index = 0
         self.ops_seen = 0
+        self.failure: FailedOp | None = None
+        """The op that raised during the replay (a failure that raises instead of producing NaN)."""
         self.source_override: str | None = None
         """The user's line to attribute forward ops to, when they are re-issued by nantrace (the loss tape)."""
         self.ignored_targets: tuple[int, int] | None = None
@@ -211,7 +231,16 @@ class OpTracer(TorchDispatchMode):
         mutable = func._schema.is_mutable
         pre = self._mutated_flags(func, args, kwargs) if mutable else None
         kept = _clone_written(func, args, kwargs) if mutable and node is None else (args, kwargs)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as exc:
+            if self.failure is None:
+                self.failure = FailedOp(op=op_name(func), func=func, phase="forward" if node is None else "backward",
+                                        module=self.modules.current, source=self.source_override or user_source(3),
+                                        inputs=self._input_refs(args, kwargs, pre), args=kept[0], kwargs=kept[1],
+                                        error=exc, index=self.index + 1,
+                                        parents=[self.made_by.get(a) for a in args if isinstance(a, torch.Tensor)])
+            raise
         self.index += 1
         self.ops_seen += 1
         name = op_name(func)
@@ -228,7 +257,9 @@ class OpTracer(TorchDispatchMode):
         if info is not None:
             for t in outs:
                 self._pending.append((weakref.ref(t), info))
-                self.made_by[t] = info
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.made_by[t] = info  # integer outputs too (an info code, a count)
         bad = [t for t in outs if t.numel() and not bool(torch.isfinite(t).all())]
         if not bad:
             return out

@@ -1,0 +1,208 @@
+"""Failures that raise instead of producing a NaN.
+
+A NaN that reaches an op which validates its input (``binary_cross_entropy``'s "all
+elements of input should be between 0 and 1", ``torch.multinomial`` on NaN probabilities,
+``torch.distributions`` argument validation), a class index out of range, a decomposition of
+a matrix that is not positive definite: the step raises before ``backward()``. The step is
+replayed (the model's forwards, then the loss tape) under the op tracer until it raises
+again; the evidence decides whether a value caused it:
+
+* the op that raised received NaN/Inf: the origin of that value is found the usual way
+  (dataflow back to the op that created it) and classified;
+* it received an index outside the dimension it indexes: ``label_out_of_range``;
+* its finite inputs were outside its domain (a probability > 1, a non-positive-definite
+  matrix), or the message is a value check's: ``domain_error`` at that op.
+
+Anything else (shapes, dtypes, devices, memory, the user's own errors) is not a numerical
+failure: no incident, and the exception is left alone.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..diagnosis.classify import Classification, classify, matrix_detail
+from ..diagnosis.patterns import explain, short_op
+from .loss_replay import replay_tape
+from .modules import ModuleStack
+from .origin import Origin, chain_summary, trace_back
+from .replay import replay_scope, run_unit
+from .tracer import FailedOp, OpRecord, OpTracer, tensor_stats
+
+if TYPE_CHECKING:
+    from ..guard import Guard
+    from ..incident import Incident
+
+VALUE_CHECKS = re.compile(
+    r"between 0 and 1|probability tensor contains|invalid multinomial|to satisfy the constraint|out of bounds|"
+    r"index out of range|out of range|device-side assert|positive.definite|singular|could not be completed|"
+    r"contains (?:nan|inf)|\bnan\b|\binf\b|non-finite|nonfinite|is not finite",
+    re.IGNORECASE)
+NOT_VALUES = re.compile(r"out of memory|size mismatch|shapes? .*cannot|must match|expected scalar type|dtype|"
+                        r"on the same device|not implemented|unexpected keyword|missing \d+ required", re.IGNORECASE)
+INDEX_OPS = {"embedding", "nll_loss_forward", "nll_loss2d_forward", "gather", "index_select", "index", "take",
+             "scatter", "scatter_add", "index_add", "one_hot", "embedding_bag", "_embedding_bag"}
+
+
+def is_value_message(message: str) -> bool:
+    """Does an exception's message read like a value check (not shapes, dtypes or memory)?"""
+    return bool(VALUE_CHECKS.search(message)) and not NOT_VALUES.search(message)
+
+
+def diagnose_exception(guard: "Guard", incident: "Incident", capture: Any, exc: BaseException | None) -> bool:
+    """Fill ``incident`` (kind ``exception``) from a replay of the step that raised ``exc``.
+
+    Returns False when the evidence says the exception has nothing to do with a value: the
+    caller then records no incident.
+    """
+    from .localiser import externals_of, param_modules
+
+    units: list[Any] = list(capture.calls) or list(capture.forwards)
+    replayable = bool(capture.calls)
+    tape = capture.tape if not replayable else None
+    records: list[OpRecord] = []
+    failure: FailedOp | None = None
+    tracer: OpTracer | None = None
+    replay_error: BaseException | None = None
+    externals = externals_of(guard, units)
+    with replay_scope(guard):
+        for unit in units:
+            modules = ModuleStack(guard.root)
+            tracer = OpTracer(modules, externals)
+            try:
+                with modules, tracer:
+                    run_unit(guard, unit, backward=False)
+            except Exception as err:  # the replay raised again, as the real step did
+                replay_error = err
+            records.extend(tracer.records)
+            failure = failure or tracer.failure
+            if replay_error is not None:
+                break
+        if replay_error is None and tape is not None and tape.entries:
+            modules = ModuleStack(guard.root)
+            tracer = OpTracer(modules, externals)
+            with modules, tracer:
+                taped = replay_tape(tape, tracer, backward=False)
+            records.extend(tracer.records)
+            failure = failure or tracer.failure
+            replay_error = taped.error
+    error = exc if exc is not None else replay_error
+    if error is None:
+        return False
+    message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    incident.details["exception"] = message
+    incident.transient = False if replay_error is not None or records else None
+    cls, origin = _from_evidence(failure, records, guard, param_modules(guard))
+    if cls is None:
+        if not is_value_message(str(error)):
+            return False
+        cls = Classification("unknown", failure.op if failure else None, failure.module if failure else None,
+                             failure.source if failure else None, failure.phase if failure else None,
+                             "the replay did not show which value it was", None, [])
+    incident.op, incident.module, incident.source = cls.op, cls.module, cls.source
+    incident.phase, incident.cause, incident.input_stats = cls.phase, cls.cause, cls.stats
+    if origin is not None:
+        incident.chain = chain_summary(origin)
+        if failure is not None:
+            incident.chain.append({"op": failure.op, "phase": failure.phase, "module": failure.module,
+                                   "source": failure.source, "produces": "exception", "origin": False})
+    summary, fix = explain(cls.cause, cls.op, module=cls.module, dtype=cls.dtype, detail=cls.detail)
+    raised_by = f" {short_op(failure.op)} raised" if failure is not None else " the step raised"
+    incident.summary = f"{summary} Then{raised_by} {message}"
+    incident.fix = fix
+    if cls.evidence:
+        incident.details["evidence"] = {k: (str(v) if isinstance(v, float) else v) for k, v in cls.evidence.items()}
+    return True
+
+
+def _from_evidence(failure: FailedOp | None, records: list[OpRecord], guard: "Guard",
+                   modules_of: dict[str, str]) -> tuple[Classification | None, Origin | None]:
+    bad_inputs = [ref for ref in (failure.inputs if failure else []) if ref.nan or ref.inf]
+    if bad_inputs:  # a non-finite value reached a validating op: diagnose that value's origin
+        ref = min(bad_inputs, key=lambda r: -1 if r.producer is None else r.producer.index)
+        if ref.producer is not None:
+            origin = trace_back(ref.producer)
+        else:
+            origin = Origin(record=None, chain=[], external=ref)
+        return classify(origin, observed_in="forward", low_precision_finite=None, param_modules=modules_of), origin
+    if failure is not None:
+        verdict = _index_out_of_range(failure) or _outside_domain(failure)
+        if verdict is not None:
+            return verdict, None
+    created = [r for r in records if r.creates_nonfinite and not r.is_constant]
+    if created:  # NaN made before a check in Python code (torch.distributions) raised
+        origin = trace_back(created[-1]) if created[-1].out_nan else Origin(record=created[0], chain=[created[0]])
+        return classify(origin, observed_in="forward", low_precision_finite=None, param_modules=modules_of), origin
+    return None, None
+
+
+def _stats(failure: FailedOp) -> list[dict[str, Any]]:
+    out = []
+    for i, a in enumerate(failure.args):
+        if isinstance(a, torch.Tensor):
+            out.append(tensor_stats(a, f"arg{i}"))
+    return out
+
+
+def _index_out_of_range(failure: FailedOp) -> Classification | None:
+    short = short_op(failure.op)
+    if short not in INDEX_OPS:
+        return None
+    args = failure.args
+    if short in {"nll_loss_forward", "nll_loss2d_forward"} and len(args) > 1:
+        logits, target = args[0], args[1]
+        ignore = args[4] if len(args) > 4 and isinstance(args[4], int) else -100
+        classes = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
+        used = target[target != ignore]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= classes):
+            bad = int(((used < 0) | (used >= classes)).sum())
+            return Classification("label_out_of_range", failure.op, failure.module, failure.source, failure.phase,
+                                  f"{bad} target(s) outside [0, {classes}): range {int(used.min())}..{int(used.max())}",
+                                  str(logits.dtype).removeprefix("torch."), _stats(failure))
+        return None
+    if short == "embedding" and len(args) > 1:
+        weight, idx = args[0], args[1]
+        n = weight.shape[0]
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            return Classification("label_out_of_range", failure.op, failure.module, failure.source, failure.phase,
+                                  f"token/class ids range {int(idx.min())}..{int(idx.max())} for an embedding of {n} rows "
+                                  "(a tokenizer or label mapping larger than the model's vocabulary)",
+                                  str(weight.dtype).removeprefix("torch."), _stats(failure))
+        return None
+    ints = [a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dtype != torch.bool]
+    src = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    dim = next((a for a in args if isinstance(a, int) and not isinstance(a, bool)), 0)
+    if src is not None and ints:
+        size = src.shape[dim] if src.dim() else 1
+        idx = ints[0]
+        if idx.numel() and (int(idx.min()) < -size or int(idx.max()) >= size):
+            return Classification("label_out_of_range", failure.op, failure.module, failure.source, failure.phase,
+                                  f"indices range {int(idx.min())}..{int(idx.max())} for a dimension of {size}",
+                                  str(src.dtype).removeprefix("torch."), _stats(failure))
+    return None
+
+
+def _outside_domain(failure: FailedOp) -> Classification | None:
+    """A validating op that raised on finite values outside its domain."""
+    short = short_op(failure.op)
+    if short == "_linalg_check_errors" and failure.parents and failure.parents[0] is not None:
+        made = failure.parents[0]  # the decomposition whose info code the check raised on
+        a = next((x for x in (made.args or ()) if isinstance(x, torch.Tensor)), None)
+        facts: dict[str, Any] = {}
+        return Classification("domain_error", made.op, made.module, made.source, "forward", matrix_detail(a, facts),
+                              str(a.dtype).removeprefix("torch.") if a is not None else None,
+                              [tensor_stats(a, "arg0")] if a is not None else [], facts)
+    if not is_value_message(str(failure.error)):
+        return None
+    x = next((a for a in failure.args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    detail = str(failure.error).strip().splitlines()[0][:160]
+    if x is not None and x.numel() and short in {"binary_cross_entropy", "multinomial", "bernoulli"}:
+        xd = x.detach().double()
+        detail = (f"{int(((xd < 0) | (xd > 1)).sum())} value(s) outside [0, 1], range "
+                  f"{float(xd.min()):.4g}..{float(xd.max()):.4g}")
+    dtype = str(x.dtype).removeprefix("torch.") if x is not None else None
+    return Classification("domain_error", failure.op, failure.module, failure.source, failure.phase, detail, dtype,
+                          _stats(failure))
