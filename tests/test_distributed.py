@@ -50,6 +50,27 @@ def test_nan_on_rank1_only_is_attributed_to_rank1_and_every_rank_skips(tmp_path,
     assert (tmp_path / "run" / "nantrace.db").is_file() and (tmp_path / "run" / "rank1" / "nantrace.db").is_file()
 
 
+def test_bundles_replay_to_the_origin_rank_never_to_a_transient(tmp_path):
+    """Rank 0 only received rank 1's NaN through the all-reduce: its bundle replays to "came from
+    rank 1", not to "transient"; rank 1's own bundle replays to its bad batch."""
+    import torch
+    from torch import nn
+
+    import nantrace
+
+    _torchrun(tmp_path, "nan_input_rank1")
+    [received] = sorted((tmp_path / "run" / "incidents").iterdir())
+    [own] = sorted((tmp_path / "run" / "rank1" / "incidents").iterdir())
+    again = nantrace.replay(received)
+    assert (again.rank, again.transient, again.details["received_from_rank"]) == (1, None, 1)
+    assert "came from rank 1" in again.summary and "transient" not in again.summary.lower()
+    assert str(own.parent) in again.fix
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    origin = nantrace.replay(own, model=model)
+    assert (origin.cause, origin.transient) == ("nonfinite_input", False), origin.summary
+
+
 def test_a_local_loss_spike_on_one_rank_makes_every_rank_skip(tmp_path):
     results = _torchrun(tmp_path, "loss_spike_rank1")
     spikes = {r["rank"]: [i for i in r["incidents"] if i[0] == 45] for r in results}

@@ -73,12 +73,36 @@ def build_model(bundle: Bundle, model: nn.Module | str | None = None) -> nn.Modu
     return net
 
 
+def _received_from(bundle: Bundle) -> Incident | None:
+    """A rank that only received another rank's NaN through the all-reduce has nothing of its own
+    to replay: its bundle's diagnosis points at the rank the values came from."""
+    saved = bundle.incident
+    origins = saved.details.get("origin_ranks")
+    writer = bundle.env.get("writer_rank")
+    if not origins or writer is None or writer in origins:
+        return None
+    source = origins[0]
+    sibling = bundle.path.parent.parent / f"rank{source}" / "incidents" if writer == 0 else None
+    hint = f" (under {sibling})" if sibling is not None and sibling.is_dir() else ""
+    return Incident(
+        step=saved.step, kind=saved.kind, phase=saved.phase, op=None, module=None, source=None, rank=source,
+        cause=saved.cause, transient=None, action="logged", bundle=str(bundle.path),
+        summary=(f"The non-finite values of step {saved.step} came from rank {source}: rank {writer} only received "
+                 "them through the gradient all-reduce, so there is nothing of its own to replay."),
+        fix=f"Replay the bundle written by rank {source}{hint}, which holds the batch and state that produced them.",
+        details={"replayed_from": str(bundle.path), "received_from_rank": source, "origin_ranks": origins},
+    )
+
+
 def replay(bundle_dir: str | os.PathLike[str], model: nn.Module | str | None = None, *, config: Config | None = None) -> Incident:
     """Replay the failing step of a bundle; returns a fresh diagnosis (compare with the saved one)."""
     from ._watch import watch
     from .localisation.localiser import localise_incident
 
     bundle = load_bundle(bundle_dir)
+    received = _received_from(bundle)
+    if received is not None:
+        return received
     if not bundle.forwards:
         raise ValueError(f"bundle {str(bundle_dir)!r} holds no captured forward to replay")
     net = build_model(bundle, model)

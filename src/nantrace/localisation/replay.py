@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
+import logging
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +46,7 @@ def replay_scope(guard: "Guard") -> Iterator[None]:
     was_training = guard.root.training
     guard._replaying = True
     try:
-        with _eager():
+        with _eager(), _silenced():
             yield
     finally:
         guard._replaying = False
@@ -53,6 +56,21 @@ def replay_scope(guard: "Guard") -> Iterator[None]:
                 if n in buffers and b.shape == buffers[n].shape:
                     b.copy_(buffers[n])
         rng.restore()
+
+
+@contextlib.contextmanager
+def _silenced() -> Iterator[None]:
+    """No echo of the user's code during a replay: its prints, log records and warnings were
+    already emitted once, by the real step."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
 
 
 @contextlib.contextmanager

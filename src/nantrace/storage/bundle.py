@@ -106,6 +106,7 @@ def write_bundle(guard: "Guard", incident: Incident, capture: StepCapture) -> st
             "replayable_fn": _fn_path(capture.calls[0].fn) if capture.calls else None,
             "step": incident.step,
             "rank": incident.rank,
+            "writer_rank": guard.rank,
             "training": guard.root.training,
         }
         (tmp / "env.json").write_text(json.dumps(env, indent=2))
@@ -152,8 +153,19 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
     if missing:
         raise ValueError(f"{str(p)!r} is not a complete nantrace bundle: missing {', '.join(missing)}")
     try:
-        incident = Incident.from_dict(json.loads((p / "diagnosis.json").read_text()))
         env = json.loads((p / "env.json").read_text())
+    except Exception as exc:
+        raise ValueError(f"bundle {str(p)!r}: env.json is corrupt or unreadable: {type(exc).__name__}: {exc}") from None
+    version = env.get("format_version") if isinstance(env, dict) else None
+    if not isinstance(version, int) or version < 1:
+        raise ValueError(f"bundle {str(p)!r} has no valid format_version in env.json (found {version!r}); this nantrace "
+                         f"reads bundle formats 1..{FORMAT_VERSION}")
+    if version > FORMAT_VERSION:
+        raise ValueError(f"bundle {str(p)!r} was written in bundle format {version} (nantrace "
+                         f"{env.get('nantrace_version', '?')}); this nantrace reads formats 1..{FORMAT_VERSION}: "
+                         "upgrade nantrace to replay it")
+    try:
+        incident = Incident.from_dict(json.loads((p / "diagnosis.json").read_text()))
         state = torch.load(p / "state.pt", weights_only=True, map_location="cpu")
         batch = torch.load(p / "batch.pt", weights_only=True, map_location="cpu")
     except Exception as exc:

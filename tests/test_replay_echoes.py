@@ -1,0 +1,49 @@
+"""A replay re-runs the user's forward and loss code: none of its prints, log records or
+warnings may reach the user a second time (issue 11, "replay without echoes")."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch import nn
+
+import nantrace
+
+log = logging.getLogger("user.model")
+
+
+class Chatty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        print("forward called")
+        log.warning("logged in forward")
+        warnings.warn("warned in forward", UserWarning)
+        return torch.log(self.fc(x))  # negative arguments: NaN
+
+
+def chatty_loss(out: torch.Tensor) -> torch.Tensor:
+    print("loss called")
+    return out.sum()
+
+
+def test_prints_logs_and_warnings_appear_once_per_real_call(capsys, caplog, recwarn):
+    torch.manual_seed(0)
+    model = Chatty()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="user.model"):
+        with nantrace.watch(model, opt, config=nantrace.Config(print_incidents=False)) as guard:
+            opt.zero_grad()
+            chatty_loss(model(torch.randn(2, 4))).backward()
+            opt.step()
+    [incident] = guard.incidents
+    assert incident.op == "aten.log.default" and incident.details["ops_replayed"] > 0  # it was replayed
+    out = capsys.readouterr().out
+    assert out.count("forward called") == 1 and out.count("loss called") == 1, out
+    assert [r.getMessage() for r in caplog.records if r.name == "user.model"] == ["logged in forward"]
+    assert [str(w.message) for w in recwarn if "warned in forward" in str(w.message)] == ["warned in forward"]
+    assert logging.root.manager.disable == logging.NOTSET  # logging switched back on after the replay
