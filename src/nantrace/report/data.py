@@ -147,6 +147,9 @@ def resolve_run_dir(run_dir: str | os.PathLike[str]) -> Path:
     path = Path(run_dir)
     if path.name == DB_NAME and path.is_file():
         return path.parent
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{str(path)!r} is a file, not a run directory; expected the directory given to "
+                         f"nantrace.watch(run_dir=...), which holds {DB_NAME}")
     return path
 
 
