@@ -111,8 +111,9 @@ def source_snippet(source: str | None, context: int = 2) -> tuple[str, int, str]
 
 # ----------------------------------------------------------------------------- numbers
 def _fmt(value: Any) -> str:
+    """A statistic as shown: six significant digits, enough for 65504 (the float16 maximum)."""
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:.6g}"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_fmt(v) for v in value) + "]"
     return "" if value is None else str(value)
