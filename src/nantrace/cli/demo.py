@@ -39,14 +39,13 @@ def demo(
     import nantrace
 
     from ..console import CONSOLE, OUT, display_path, print_incident
-    from ..console import error as console_error
     from ..demo.data import make_batch
     from ..demo.model import DemoTransformer
     from ._invocation import nantrace_command
 
     if fail_at >= steps:
         raise typer.BadParameter(f"--fail-at ({fail_at}) must be below --steps ({steps})")
-    _clear(out, console_error)
+    _clear(out)
     torch.manual_seed(0)
     model = DemoTransformer()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -97,14 +96,15 @@ def demo(
         say(f"Report: [bold]{display_path(str(path))}[/bold] (open it in a browser)")
 
 
-def _clear(out: Path, console_error: object) -> None:
+def _clear(out: Path) -> None:
     """Remove an earlier demo run in ``out``; refuse (exit 2) to touch anything else."""
+    from ..console import error as console_error
     from ..storage.runstore import DB_NAME, RunStore
 
     if not out.exists():
         return
     if not out.is_dir():
-        console_error(f"--out {out} is a file; choose a directory")  # type: ignore[operator]
+        console_error(f"--out {out} is a file; choose a directory")
         raise typer.Exit(2)
     if (out / DB_NAME).exists():
         try:
@@ -115,8 +115,8 @@ def _clear(out: Path, console_error: object) -> None:
         if model == DEMO_MODEL:
             shutil.rmtree(out)
             return
-        console_error(f"{out} holds a nantrace run that is not a demo run ({model}); choose another --out")  # type: ignore[operator]
+        console_error(f"{out} holds a nantrace run that is not a demo run ({model}); choose another --out")
         raise typer.Exit(2)
     if any(out.iterdir()):
-        console_error(f"{out} exists and is not a nantrace run directory; choose another --out")  # type: ignore[operator]
+        console_error(f"{out} exists and is not a nantrace run directory; choose another --out")
         raise typer.Exit(2)
