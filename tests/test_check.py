@@ -77,44 +77,15 @@ TARGET = textwrap.dedent('''\
 ''')
 LOG_LINE = TARGET.splitlines().index("        return torch.log(x.pow(2).sum(1, keepdim=True))") + 1
 
-LAUNCHER = '''\
-import typer
-from nantrace.cli.check import check_command
-
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-app.command("check")(check_command)
-
-
-@app.callback()
-def _root() -> None:
-    """nantrace (check only, until it is registered in nantrace.cli.main)."""
-
-
-app()
-'''
-
-
-def _registered() -> bool:
-    from nantrace.cli.main import app
-
-    return any(c.name == "check" for c in app.registered_commands)
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def _nantrace(tmp_path: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run ``nantrace check ...``: the console script once the command is registered,
-    else a launcher outside ``cwd`` (so that ``cwd`` on sys.path is the command's doing)."""
-    exe = Path(sys.executable).with_name("nantrace")
-    if _registered():
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "nantrace.cli.main"]
-    else:
-        launcher = tmp_path / "bin" / "nantrace_check_launcher.py"
-        launcher.parent.mkdir(exist_ok=True)
-        launcher.write_text(LAUNCHER)
-        cmd = [sys.executable, str(launcher)]
-    env = dict(os.environ, COLUMNS="100")
-    env.pop("PYTHONPATH", None)
-    return subprocess.run([*cmd, "check", *args], capture_output=True, text=True, cwd=cwd or tmp_path, env=env,
-                          timeout=300)
+    """Run ``nantrace check ...`` as a user does (``python -m nantrace`` is the console script); only
+    this repository's ``src`` is put on PYTHONPATH, so ``cwd`` on sys.path is the command's doing."""
+    env = dict(os.environ, COLUMNS="100", PYTHONPATH=str(SRC))
+    return subprocess.run([sys.executable, "-m", "nantrace", "check", *args], capture_output=True, text=True,
+                          cwd=cwd or tmp_path, env=env, timeout=300)
 
 
 @pytest.fixture
@@ -140,7 +111,8 @@ def test_a_healthy_model_passes(tmp_path, target):
 def test_log_of_zero_at_step_7_fails_with_the_diagnosis(tmp_path, target):
     proc = _nantrace(tmp_path, "energy_check:make_check", "--steps", "20")  # module:function from the cwd
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    text = proc.stdout + proc.stderr
+    assert proc.stderr == ""  # the report is the result: all of it on stdout
+    text = proc.stdout
     for expected in ("step 7 · nonfinite_loss · skipped", "aten.log.default", "'energy'", "log_nonpositive",
                      f"energy_check.py:{LOG_LINE}", "clamp", "nantrace check: 20 steps, 1 incident: FAILED"):
         assert expected in text, (expected, text)
@@ -168,6 +140,28 @@ def test_bad_target_exits_2_with_what_was_expected(tmp_path, target, name, messa
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_on_anomaly_is_the_option_and_policy_a_deprecated_alias(tmp_path, target):
+    proc = _nantrace(tmp_path, "energy_check:make_check", "--steps", "9", "--policy", "pause", "--json")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        "nantrace: --policy is deprecated; use --on-anomaly (the same option as in `nantrace run` and nantrace.watch)"]
+    result = json.loads(proc.stdout)
+    assert (result["on_anomaly"], result["steps_run"]) == ("pause", 8)
+    assert result["stopped"] == "on_anomaly=pause: stopped at step 7 (nonfinite_loss, log_nonpositive)"
+    assert [(i["step"], i["action"]) for i in result["incidents"]] == [(7, "paused")]
+
+
+def test_a_factory_that_raises_shows_the_users_frames_only(tmp_path, target):
+    target.write_text(TARGET + "\n\ndef broken():\n    raise KeyError('vocab_size')\n")
+    proc = _nantrace(tmp_path, "energy_check:broken")
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert lines[:2] == ["Traceback (most recent call last):", f'  File "{target}", line {len(TARGET.splitlines()) + 4}, '
+                                                                "in broken"]
+    assert lines[-1] == "error: broken() raised KeyError: 'vocab_size'"
+    assert "nantrace" not in "\n".join(lines[:-1])  # no frame of nantrace's own
 
 
 # ------------------------------------------------------------------ in-process: the contract
@@ -227,22 +221,22 @@ def test_policy_raise_stops_at_the_first_incident_and_leaves_nothing_hooked(on_p
     from energy_check import Net, batch, loss_fn
 
     model = Net()
-    result = run_check({"model": model, "data": batch, "loss_fn": loss_fn}, steps=20, policy="raise")
-    assert (result.steps_run, result.exit_code) == (8, 1)
+    result = run_check({"model": model, "data": batch, "loss_fn": loss_fn}, steps=20, on_anomaly="raise")
+    assert (result.steps_run, result.exit_code, result.on_anomaly) == (8, 1, "raise")
     [incident] = result.incidents
     assert (incident.step, incident.action, incident.op, incident.module) == (7, "raised", "aten.log.default", "energy")
-    assert result.stopped.startswith("policy raise: stopped at step 7")
+    assert result.stopped == "on_anomaly=raise: stopped at step 7 (nonfinite_loss, log_nonpositive)"
     assert_unhooked(model)
 
 
 def test_policy_raise_stops_at_a_bad_batch(on_path):
     from energy_check import bad_data
 
-    result = run_check(bad_data, steps=10, policy="raise")
+    result = run_check(bad_data, steps=10, on_anomaly="raise")
     assert result.steps_run == 4 and result.verdict == "nantrace check: 4 steps, 1 incident: FAILED"
     [incident] = result.incidents
     assert (incident.step, incident.phase, incident.cause, incident.action) == (3, "data", "nonfinite_input", "raised")
-    assert result.stopped == "policy raise: the batch of step 3 failed validation (nonfinite_input)"
+    assert result.stopped == "on_anomaly=raise: the batch of step 3 failed validation (nonfinite_input)"
 
 
 def test_one_shot_data_that_runs_out_is_reported_not_failed(on_path):
@@ -301,6 +295,23 @@ def test_the_seed_fixes_the_run_and_the_rngs_are_restored(on_path):
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
+@pytest.mark.parametrize("on_anomaly, steps_run, action", [("skip", 9, "skipped"), ("rollback", 9, "rolled_back"),
+                                                          ("raise", 8, "raised"), ("pause", 8, "paused")])
+def test_the_four_policies_of_watch(on_path, on_anomaly, steps_run, action):
+    from energy_check import make_check
+
+    result = run_check(make_check, steps=9, on_anomaly=on_anomaly)
+    assert (result.steps_run, [(i.step, i.action) for i in result.incidents]) == (steps_run, [(7, action)])
+
+
+def test_run_check_policy_keyword_is_a_deprecated_alias(on_path):
+    from energy_check import healthy
+
+    with pytest.deprecated_call(match="run_check\\(policy=...\\) is deprecated; pass on_anomaly=..."):
+        result = run_check(healthy, steps=2, policy="raise")
+    assert result.on_anomaly == "raise" and result.ok
+
+
 def test_check_spec_validates_its_fields():
     with pytest.raises(ValueError, match="num_classes must be a positive int"):
         CheckSpec(model=torch.nn.Linear(2, 2), data=[1], loss_fn=lambda m, b: b, num_classes=0)
@@ -308,8 +319,9 @@ def test_check_spec_validates_its_fields():
         CheckSpec(model=torch.nn.Linear(2, 2), data=[1], loss_fn=lambda m, b: b, autocast=torch.int8)
     with pytest.raises(CheckUsageError, match="not a bare model"):
         run_check(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
-    with pytest.raises(CheckUsageError, match="unknown policy 'rollback'; expected one of skip, raise"):
-        run_check({}, policy="rollback")
+    with pytest.raises(CheckUsageError, match="unknown on_anomaly policy 'later'; expected one of skip, raise, "
+                                              "rollback, pause"):
+        run_check({}, on_anomaly="later")
 
 
 def test_load_target_imports_a_file_without_shadowing_a_module(target):

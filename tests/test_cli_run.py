@@ -15,14 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import typer
 from torch import nn
 from typer.testing import CliRunner
 
 import nantrace
 from conftest import same_state
 from nantrace.autowatch import AutoWatch, default_run_dir, run_script
-from nantrace.cli import run as run_cli
 from nantrace.storage.runstore import RunStore
 
 TRAIN_SCRIPT = '''\
@@ -74,25 +72,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 
-def _run_registered() -> bool:
-    from nantrace.cli.main import app
-
-    return any(c.name == "run" for c in app.registered_commands)
-
-
-_LAUNCHER = ("from nantrace.cli.main import app; from nantrace.cli import run; "
-             "app.command('run', context_settings=run.CONTEXT_SETTINGS)(run.run_command); app()")
-
-
 def _nantrace_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``nantrace run ...`` as a subprocess (through a launcher until the command is registered)."""
-    exe = Path(sys.executable).with_name("nantrace")
-    if _run_registered() and exe.exists():
-        cmd = [str(exe), "run"]
-    else:
-        cmd = [sys.executable, "-c", _LAUNCHER, "run"]
+    """``nantrace run ...`` as a user runs it: a subprocess (``python -m nantrace`` is the console script)."""
     env = dict(os.environ, COLUMNS="100", OMP_NUM_THREADS="1")
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "nantrace", "run", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=300)
 
 
 def test_unmodified_script_is_watched_diagnosed_and_goes_on(tmp_path):
@@ -100,12 +84,15 @@ def test_unmodified_script_is_watched_diagnosed_and_goes_on(tmp_path):
     proc = _nantrace_run("--run-dir", "runs/exp", "train.py", "--steps", "6", "--empty-at", "3",
                          "--run-dir", "the-scripts-own", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    # everything after SCRIPT went to the script; nantrace imported no framework
-    assert proc.stdout.strip() == "script done: steps=6 own --run-dir=the-scripts-own frameworks=[]"
-    err = proc.stderr
+    # everything after SCRIPT went to the script; nantrace imported no framework; the summary closes stdout
+    assert proc.stdout.splitlines() == [
+        "script done: steps=6 own --run-dir=the-scripts-own frameworks=[]",
+        "nantrace run: watched Net with Adam: 1 incident, 1 update skipped; run directory runs/exp.",
+        "Report: nantrace report runs/exp",
+    ]
+    err = proc.stderr  # the panel, printed by the guard as the incident happens
     for expected in ("nantrace · step 3 · nonfinite_loss · skipped", "aten.div.Tensor", "'pool'", "div_by_zero",
-                     f"train.py:{DIVISION_LINE}", "nantrace run: watched Net with Adam: 1 incident(s), 1 update(s) "
-                     "skipped; run directory runs/exp", "Report: nantrace report runs/exp"):
+                     f"train.py:{DIVISION_LINE}"):
         assert expected in err, (expected, err)
     store = RunStore(tmp_path / "runs" / "exp", readonly=True)
     assert [r["step"] for r in store.steps()] == list(range(6))
@@ -120,15 +107,10 @@ def test_unmodified_script_is_watched_diagnosed_and_goes_on(tmp_path):
 
 
 # ---------------------------------------------------------------------- exit codes (in-process)
-def _app() -> typer.Typer:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.callback()(lambda: None)
-    app.command("run", context_settings=run_cli.CONTEXT_SETTINGS)(run_cli.run_command)
-    return app
-
-
 def _invoke(*args: str):
-    return CliRunner().invoke(_app(), ["run", *args], env={"COLUMNS": "200"})
+    from nantrace.cli.main import app
+
+    return CliRunner().invoke(app, ["run", *args], env={"COLUMNS": "200"}, prog_name="nantrace")
 
 
 def test_script_exit_code_is_preserved(tmp_path):
@@ -136,8 +118,12 @@ def test_script_exit_code_is_preserved(tmp_path):
     script.write_text("import sys\nprint('args', sys.argv[1:], __name__)\nsys.exit(3)\n")
     result = _invoke("--run-dir", str(tmp_path / "r"), str(script), "--on-anomaly", "x", "-v")
     assert result.exit_code == 3
-    assert "args ['--on-anomaly', 'x', '-v'] __main__" in result.stdout
-    assert "nothing was watched" in result.stderr
+    assert result.stdout.splitlines() == [
+        "args ['--on-anomaly', 'x', '-v'] __main__",
+        "nantrace run: the script exited with code 3 before any optimizer step over a model it called; "
+        "nothing was watched and no run directory was written.",
+    ]
+    assert not (tmp_path / "r").exists()
 
 
 def test_sys_exit_with_a_message_exits_1_and_prints_it(tmp_path):
@@ -156,6 +142,72 @@ def test_uncaught_exception_prints_the_scripts_traceback_and_exits_1(tmp_path):
     assert lines[0] == "Traceback (most recent call last):"
     assert lines[1] == f'  File "{script}", line 4, in <module>'  # starts at the script: no runpy frames
     assert "FileNotFoundError: data.bin" in result.stderr
+
+
+SELF_WATCHING = """\
+import torch, nantrace
+model = torch.nn.Linear(3, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+guard = nantrace.watch(model, optimizer, run_dir="own-run", config=nantrace.Config(print_incidents=False))
+for step in range(4):
+    optimizer.zero_grad()
+    loss = model(torch.randn(2, 3)).pow(2).mean() * (float("nan") if step == 2 else 1.0)
+    loss.backward()
+    optimizer.step()
+guard.close()
+"""
+
+
+def test_a_script_that_watches_itself_is_reported_with_its_own_guard(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "selfwatch.py").write_text(SELF_WATCHING)
+    result = _invoke("--run-dir", "ours", "selfwatch.py")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        "nantrace run: the script watches Linear with SGD itself with nantrace.watch: 1 incident, 1 update skipped; "
+        "its run directory own-run.",
+        "nantrace run: --run-dir was not used (the script's own guard writes where the script says).",
+    ]
+    assert (tmp_path / "own-run" / "nantrace.db").is_file() and not (tmp_path / "ours").exists()
+
+
+def test_a_syntax_error_is_shown_as_python_shows_it_and_nothing_runs(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("import torch\ndef f(:\n    pass\n")
+    result = _invoke("--run-dir", str(tmp_path / "r"), str(script))
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [f'  File "{script}", line 2', "    def f(:", "          ^",
+                                          "SyntaxError: invalid syntax"]
+    assert result.stdout.splitlines() == [
+        f"nantrace run: {script} could not be compiled, so nothing ran; no run directory was written."]
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_script_failing_before_any_step_says_nothing_was_watched(tmp_path):
+    script = tmp_path / "noimport.py"
+    script.write_text("import no_such_module_here\n")
+    result = _invoke("--run-dir", str(tmp_path / "r"), str(script))
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[1] == f'  File "{script}", line 1, in <module>'  # the script's frame first
+    assert "nantrace/" not in result.stderr  # none of nantrace's own frames
+    assert result.stdout.splitlines() == [
+        "nantrace run: the script raised ModuleNotFoundError (exit code 1) before any optimizer step over a model it "
+        "called; nothing was watched and no run directory was written."]
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_script_failing_after_watched_steps_marks_its_run_failed(tmp_path):
+    script = tmp_path / "late.py"
+    script.write_text(SELF_WATCHING.replace("guard = nantrace.watch(model, optimizer, run_dir=\"own-run\", "
+                                            "config=nantrace.Config(print_incidents=False))\n", "")
+                      .replace("guard.close()\n", "raise RuntimeError('disk full')\n"))
+    result = _invoke("--run-dir", str(tmp_path / "r"), str(script))
+    assert result.exit_code == 1
+    assert result.stdout.splitlines()[0] == (
+        f"nantrace run: watched Linear with SGD: 1 incident, 1 update skipped; run directory {tmp_path / 'r'}; "
+        "the script raised RuntimeError (exit code 1).")
+    status = RunStore(tmp_path / "r", readonly=True).status()
+    assert (status.state, status.reason, status.last_step) == ("failed", "the script raised RuntimeError: disk full", 3)
 
 
 def test_missing_script_exits_2_with_a_clear_message(tmp_path):

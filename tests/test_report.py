@@ -302,6 +302,63 @@ def test_layer_heatmaps_show_dead_layers_and_nonfinite_cells(tmp_path):
     assert _xs(_trace(figs["heatmap-layer_grad_norm"], "non-finite")) == [7, 8]
 
 
+def test_every_chart_shares_the_step_range_and_sampled_heatmaps_fill_it(tmp_path):
+    """The activation heatmap (sampled every 2nd step here) draws only its measured columns,
+    on the same x range and plot width as the curves; the root module's row is labelled."""
+    run = _synthetic(tmp_path, 20, layers=3, activations=3)
+    with RunStore(run) as store:  # the guard names the model itself '' and a never-called container
+        store.set_meta("activation_names", ["", "blocks", "blocks.0"])
+        store.log_activation_stats(0, [(0, 2.0, 0), (2, 3.0, 0)])
+        store._conn.execute("DELETE FROM activation_stats WHERE layer = 1")
+    figs = _figures(render_report(run).read_text(encoding="utf-8"))
+    ranges = {div: fig["layout"]["xaxis"]["range"] for div, fig in figs.items()}
+    assert set(map(tuple, ranges.values())) == {(-0.5, 19.5)}, ranges
+    margins = {(fig["layout"]["margin"]["l"], fig["layout"]["margin"]["r"]) for fig in figs.values()}
+    assert len(margins) == 1  # plot areas line up one above the other
+    act = figs["heatmap-activation_absmax"]
+    heat = next(t for t in act["data"] if t["type"] == "heatmap")
+    assert _array(heat["x"]) == list(range(0, 20, 2))  # measured columns only: no blank ones between them
+    assert heat["y"] == ["(model)", "blocks.0"]  # the root labelled, the never-measured container left out
+    assert "measured every 2 steps" in _figure_titles(run)["heatmap-activation_absmax"]
+    assert "1 never-measured row not shown" in _figure_titles(run)["heatmap-activation_absmax"]
+
+
+def test_log_axes_are_labelled_at_powers_of_ten(tmp_path):
+    run = _synthetic(tmp_path, 30, grad=lambda s: 10.0 ** (s % 5 - 2))
+    norms = _figures(render_report(run).read_text(encoding="utf-8"))["curve-norms"]
+    assert (norms["layout"]["yaxis"]["type"], norms["layout"]["yaxis"]["dtick"]) == ("log", 1)
+    linear, log = norms["layout"]["updatemenus"][0]["buttons"]
+    assert linear["args"][0]["yaxis.dtick"] is None and log["args"][0]["yaxis.dtick"] == 1
+
+
+def test_an_interrupted_run_says_so(tmp_path):
+    import signal
+
+    script = (f"import os, signal, torch, nantrace\nm = torch.nn.Linear(2, 1)\no = torch.optim.SGD(m.parameters(), "
+              f"lr=0.1)\ng = nantrace.watch(m, o, run_dir={str(tmp_path)!r})\nfor _ in range(4):\n    o.zero_grad()\n"
+              f"    m(torch.randn(3, 2)).sum().backward()\n    o.step()\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    page = render_report(tmp_path).read_text(encoding="utf-8")
+    assert '<span class="nonfinite">interrupted</span>' in page
+    assert re.search(r"This run was interrupted: its process \(pid \d+\) ended without closing the run \(killed, or "
+                     r"the machine went down\)\. The report shows every step recorded, up to step 3\.", page)
+
+
+def test_paths_are_shown_relative_to_the_run_working_directory(real_run, tmp_path, monkeypatch):
+    run_dir, incidents = real_run
+    monkeypatch.chdir(run_dir.parent)
+    page = render_report(run_dir, tmp_path / "r.html").read_text(encoding="utf-8")
+    assert f"run directory <code>{run_dir.name}</code>" in page
+    assert str(run_dir.parent) not in page.replace(str(run_dir.parent / run_dir.name), "")
+
+
+def _figure_titles(run: Path) -> dict[str, str]:
+    page = (run / "report.html").read_text(encoding="utf-8")
+    return {m.group(2): m.group(1) for m in re.finditer(
+        r'<h3 class="plot-title">(.*?)</h3><div class="plotly-target" id="(.*?)">', page)}
+
+
 def test_downsampling_keeps_extremes_incidents_and_every_nonfinite_value(tmp_path):
     steps = 30_000
     rng = np.random.default_rng(0)

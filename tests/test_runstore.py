@@ -125,3 +125,94 @@ def test_nothing_is_written_without_run_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _train(None)
     assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------- one run per directory
+def _subprocess_run(run_dir, tail: str = "guard.close()", steps: int = 5) -> subprocess.CompletedProcess:
+    """A separate process (a second ``python train.py``) training ``steps`` steps into ``run_dir``."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch, nantrace
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        guard = nantrace.watch(model, opt, run_dir={str(run_dir)!r})
+        for step in range({steps}):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+    """) + tail + "\n"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+
+def test_a_second_run_sets_the_first_aside_instead_of_mixing(tmp_path):
+    run = tmp_path / "run"
+    first = _subprocess_run(run, steps=7)
+    assert first.returncode == 0, first.stderr
+    [old_bundle] = [p.name for p in (run / "incidents").iterdir()] if (run / "incidents").exists() else [None]
+    second = _subprocess_run(run, steps=3)
+    assert second.returncode == 0, second.stderr
+    [previous] = (run / "previous").iterdir()
+    assert second.stderr.startswith(f"nantrace: {run} held an earlier run; it was moved to {previous} so that runs "
+                                    "never mix")
+    with RunStore(run, readonly=True) as now, RunStore(previous, readonly=True) as before:
+        assert [r["step"] for r in now.steps()] == [0, 1, 2]
+        assert [r["step"] for r in before.steps()] == list(range(7))
+        assert now.status().state == before.status().state == "finished"
+        assert now.get_meta("created") > before.get_meta("created")
+    assert old_bundle is None  # a healthy run writes no bundle; only the store moved
+    assert sorted(p.name for p in run.iterdir() if not p.name.endswith(("-wal", "-shm"))) == ["nantrace.db", "previous"]
+
+
+def test_the_same_process_appends_to_its_own_run(tmp_path):
+    _train(tmp_path, steps=4, nan_at=None)
+    guard = _train(tmp_path, steps=3, nan_at=1)  # a second guard of this process: the same run goes on
+    assert not (tmp_path / "previous").exists()
+    with RunStore(tmp_path, readonly=True) as store:
+        assert [r["step"] for r in store.steps()] == [0, 1, 2, 3]  # steps 0-2 of the second guard replaced 0-2
+        assert [i.id for i in store.incidents()] == [guard.incidents[0].id]
+
+
+def test_a_run_directory_in_use_by_a_live_process_is_refused(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from nantrace.storage.runstore import RunStore
+        store = RunStore({str(tmp_path)!r})
+        print("open", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "open\n"
+        with pytest.raises(ValueError, match=f"run directory '{tmp_path}' is in use: process {child.pid} on .* is "
+                                             "writing a run there since .*; give this run its own run_dir"):
+            RunStore(tmp_path)
+    finally:
+        child.kill()
+        child.wait()
+    assert RunStore(tmp_path, readonly=True).status().state == "interrupted"
+
+
+def test_a_killed_run_is_reported_interrupted_and_marked_so_when_set_aside(tmp_path):
+    killed = _subprocess_run(tmp_path, tail="os.kill(os.getpid(), signal.SIGKILL)", steps=6)
+    assert killed.returncode == -signal.SIGKILL
+    with RunStore(tmp_path, readonly=True) as store:
+        status = store.status()
+    assert (status.state, status.last_step) == ("interrupted", 5)
+    assert status.reason.startswith("its process (pid ") and status.reason.endswith(
+        ") ended without closing the run (killed, or the machine went down)")
+    RunStore(tmp_path).close()  # a new run sets it aside, marked in its own store
+    [previous] = (tmp_path / "previous").iterdir()
+    with RunStore(previous, readonly=True) as store:
+        assert store.get_meta("status") == "interrupted" and store.status().last_step == 5
+
+
+@pytest.mark.parametrize("tail, state, reason", [
+    ("raise ValueError('bad shard')", "failed", "the process exited on an uncaught ValueError: bad shard"),
+    ("raise KeyboardInterrupt", "interrupted", "stopped with Ctrl-C (KeyboardInterrupt) before the guard was closed"),
+    ("pass", "finished", "the process exited without closing the guard"),
+    ("guard.close()", "finished", None),
+])
+def test_how_a_process_ended_is_recorded(tmp_path, tail, state, reason):
+    proc = _subprocess_run(tmp_path, tail=tail, steps=2)
+    assert proc.returncode in (0, 1, 130, -signal.SIGINT), proc.stderr
+    with RunStore(tmp_path, readonly=True) as store:
+        status = store.status()
+    assert (status.state, status.reason, status.last_step) == (state, reason, 1)

@@ -60,6 +60,8 @@ class AutoWatch:
         self.watch_kwargs = check_watch_kwargs(dict(on_anomaly=on_anomaly, config=config, run_dir=run_dir), "AutoWatch")
         self.run_dir = os.fspath(run_dir) if run_dir is not None else None
         self.sessions: list[GuardSession] = []
+        self.own_guards: list[Any] = []
+        """Guards the code opened itself with ``nantrace.watch`` (left to it: not closed here)."""
         self.notes: list[str] = []
         self.closed = False
         self._handles: list[Any] = []
@@ -160,7 +162,10 @@ class AutoWatch:
         into the script (a failure to watch is noted and the script goes on)."""
         self._seen.add(optimizer)
         name = type(optimizer).__name__
-        if _already_guarded(optimizer):
+        own = _own_guard(optimizer)
+        if own is not None:
+            if own not in self.own_guards:
+                self.own_guards.append(own)
             self.notes.append(f"{name} is already watched by the script's own nantrace.watch")
             return
         model = self.owner(optimizer)
@@ -192,17 +197,26 @@ class AutoWatch:
         return found
 
     def _note(self, message: str) -> None:
-        from .console import CONSOLE
+        from .console import note
 
         self.notes.append(message)
-        CONSOLE.print(f"[yellow]nantrace:[/yellow] {message}", soft_wrap=True, markup=True, highlight=False)
+        note(message)
+
+    def end_runs_as(self, status: str, reason: str | None) -> None:
+        """Record in every run store opened here that the run ended as ``status`` (the
+        script failed or was interrupted), before :meth:`close` closes the stores."""
+        for guard in self.guards:
+            store = getattr(guard, "store", None)
+            if store is not None:
+                store.end_as(status, reason)
 
 
-def _already_guarded(optimizer: torch.optim.Optimizer) -> bool:
+def _own_guard(optimizer: torch.optim.Optimizer) -> Any:
+    """The guard the code itself opened on ``optimizer`` with ``nantrace.watch``, if any."""
     from .guard import Guard
 
     hooks = getattr(optimizer, "_optimizer_step_pre_hooks", {})
-    return any(isinstance(getattr(h, "__self__", None), Guard) for h in hooks.values())
+    return next((h.__self__ for h in hooks.values() if isinstance(getattr(h, "__self__", None), Guard)), None)
 
 
 # ---------------------------------------------------------------------- scripts
@@ -243,27 +257,50 @@ def run_script(script: str | os.PathLike[str], args: list[str] | tuple[str, ...]
     ``sys.argv`` and ``sys.path`` are restored and every hook is removed afterwards.
     """
     path = os.path.abspath(os.fspath(script))
+    auto = AutoWatch(run_dir=run_dir, on_anomaly=on_anomaly, config=config)
+    result = ScriptResult(exit_code=0, watch=auto)
+    problem = _compile_error(path)
+    if problem is not None:  # as `python SCRIPT` does: the error alone, exit code 1, nothing run
+        result.exit_code, result.error = 1, problem
+        result.traceback = "".join(traceback.format_exception_only(type(problem), problem))
+        auto.close()
+        return result
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [os.fspath(script), *args]
     sys.path.insert(0, os.path.dirname(path))
-    auto = AutoWatch(run_dir=run_dir, on_anomaly=on_anomaly, config=config)
-    result = ScriptResult(exit_code=0, watch=auto)
     try:
         with auto:
-            runpy.run_path(path, run_name="__main__")
-    except SystemExit as exc:
-        result.exit_code, result.message = _exit_status(exc.code)
-    except KeyboardInterrupt as exc:
-        result.exit_code, result.error = 130, exc
-        result.traceback = _script_traceback(exc, path)
-    except BaseException as exc:  # the script's uncaught exception: report it as Python would
-        result.exit_code, result.error = 1, exc
-        result.traceback = _script_traceback(exc, path)
+            try:
+                runpy.run_path(path, run_name="__main__")
+            except SystemExit as exc:
+                result.exit_code, result.message = _exit_status(exc.code)
+                if result.exit_code:
+                    auto.end_runs_as("failed", f"the script exited with code {result.exit_code}")
+            except KeyboardInterrupt as exc:
+                result.exit_code, result.error = 130, exc
+                result.traceback = _script_traceback(exc, path)
+                auto.end_runs_as("interrupted", "stopped with Ctrl-C (KeyboardInterrupt)")
+            except BaseException as exc:  # the script's uncaught exception: report it as Python would
+                result.exit_code, result.error = 1, exc
+                result.traceback = _script_traceback(exc, path)
+                auto.end_runs_as("failed", f"the script raised {type(exc).__name__}: {exc}")
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
         auto.close()
     return result
+
+
+def _compile_error(path: str) -> BaseException | None:
+    """The error ``python SCRIPT`` would stop on before running a line (a syntax error, an
+    unreadable file, a null byte), or ``None``."""
+    try:
+        with open(path, "rb") as fh:
+            source = fh.read()
+        compile(source, path, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError, OSError) as exc:
+        return exc
+    return None
 
 
 def _exit_status(code: Any) -> tuple[int, str | None]:

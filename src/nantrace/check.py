@@ -52,6 +52,7 @@ from torch import nn
 from .config import Config
 from .errors import NonFiniteError
 from .incident import Incident
+from .response.policies import POLICIES
 
 __all__ = [
     "CHECK_POLICIES",
@@ -62,11 +63,14 @@ __all__ = [
     "load_target",
     "resolve_spec",
     "run_check",
+    "user_traceback",
 ]
 
-CHECK_POLICIES = ("skip", "raise")
-"""``skip``: drop each bad update (or bad batch), go on, and count every incident;
-``raise``: stop at the first incident."""
+CHECK_POLICIES = POLICIES
+"""The ``on_anomaly`` policies of :func:`nantrace.watch`, the same four everywhere:
+``skip`` (drop each bad update or bad batch, go on, count every incident), ``raise`` (stop
+at the first incident), ``rollback`` (restore the last good state, go on), ``pause``
+(write the bundle, then stop)."""
 
 DEFAULT_STEPS = 50
 """Steps ``nantrace check`` runs unless told otherwise."""
@@ -190,7 +194,8 @@ class CheckResult:
     """Steps that ran (fewer when ``raise`` stopped the check or one-shot data ran out)."""
 
     seed: int
-    policy: str
+    on_anomaly: str
+    """The policy the guard ran with (``skip``, ``raise``, ``rollback`` or ``pause``)."""
     incidents: list[Incident]
     """Every incident, numerical and data (``phase="data"``), oldest first."""
 
@@ -230,12 +235,13 @@ class CheckResult:
         return list(out.values())
 
     def print_report(self, console: Any = None) -> None:
-        """Print every distinct diagnosis (a rich panel), the data warnings and the verdict."""
+        """Print every distinct diagnosis (a rich panel), the data warnings and the verdict
+        (on ``console``, default stdout: they are the check's result)."""
         from rich.text import Text
 
-        from .console import CONSOLE, render_incident
+        from .console import OUT, render_incident
 
-        console = console or CONSOLE
+        console = console or OUT
         for first, steps in self.groups():
             console.print(render_incident(first))
             if len(steps) > 1:
@@ -269,7 +275,7 @@ class CheckResult:
 
         return {
             "target": self.target, "ok": self.ok, "exit_code": self.exit_code, "verdict": self.verdict,
-            "steps": self.steps, "steps_run": self.steps_run, "seed": self.seed, "policy": self.policy,
+            "steps": self.steps, "steps_run": self.steps_run, "seed": self.seed, "on_anomaly": self.on_anomaly,
             "stopped": self.stopped, "run_dir": self.run_dir, "seconds": round(self.seconds, 3),
             "incidents": [i.to_dict() for i in self.incidents],
             "data_warnings": jsonable(self.data_warnings),
@@ -307,9 +313,9 @@ def load_target(target: str) -> Callable[..., Any]:
             if exc.name is not None and where.startswith(exc.name):
                 raise CheckUsageError(f"cannot import module {where!r} from TARGET {target!r}: no module named "
                                       f"{exc.name!r} (run from the directory that holds it, or set PYTHONPATH)") from None
-            raise CheckUsageError(f"importing {where!r} failed: {type(exc).__name__}: {exc}", _tb(exc)) from None
+            raise CheckUsageError(f"importing {where!r} failed: {type(exc).__name__}: {exc}", user_traceback(exc)) from None
         except Exception as exc:
-            raise CheckUsageError(f"importing {where!r} failed: {type(exc).__name__}: {exc}", _tb(exc)) from None
+            raise CheckUsageError(f"importing {where!r} failed: {type(exc).__name__}: {exc}", user_traceback(exc)) from None
     fn = getattr(module, name, None)
     if fn is None:
         raise CheckUsageError(f"{where!r} has no attribute {name!r} (TARGET {target!r})")
@@ -334,7 +340,7 @@ def _import_file(path: Path, target: str) -> Any:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise CheckUsageError(f"importing {path} failed: {type(exc).__name__}: {exc}", _tb(exc)) from None
+        raise CheckUsageError(f"importing {path} failed: {type(exc).__name__}: {exc}", user_traceback(exc)) from None
     return module
 
 
@@ -377,7 +383,7 @@ def _call_factory(fn: Callable[..., Any], label: str) -> Any:
     try:
         return fn()
     except Exception as exc:
-        raise CheckUsageError(f"{label} raised {type(exc).__name__}: {exc}", _tb(exc)) from None
+        raise CheckUsageError(f"{label} raised {type(exc).__name__}: {exc}", user_traceback(exc)) from None
 
 
 # ---------------------------------------------------------------------- the run
@@ -388,8 +394,9 @@ def run_check(
     *,
     steps: int = DEFAULT_STEPS,
     seed: int = 0,
-    policy: str = "skip",
+    on_anomaly: str = "skip",
     run_dir: str | os.PathLike[str] | None = None,
+    policy: str | None = None,
 ) -> CheckResult:
     """Train `spec` for `steps` steps under :func:`nantrace.watch` and report every incident.
 
@@ -400,8 +407,10 @@ def run_check(
     Every batch is validated first: NaN/Inf inputs and out-of-range labels are incidents
     (``phase="data"``) and the batch is not trained on; the other data findings are
     `CheckResult.data_warnings`. The loss function runs through ``guard.replayable`` so a
-    failure inside it is localised too. With ``policy="raise"`` the check stops at the
-    first incident. Raises `CheckUsageError` (contract violations) and `CheckStepError`
+    failure inside it is localised too. ``on_anomaly`` is the guard's policy: with
+    ``"skip"`` or ``"rollback"`` the check goes on and counts every incident, with
+    ``"raise"`` or ``"pause"`` it stops at the first one (``policy=`` is a deprecated
+    alias of ``on_anomaly=``). Raises `CheckUsageError` (contract violations) and `CheckStepError`
     (the user's code raised during a step).
 
     Usage::
@@ -415,8 +424,14 @@ def run_check(
         raise CheckUsageError(f"steps must be a positive int; got {steps!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise CheckUsageError(f"seed must be an int; got {seed!r}")
-    if policy not in CHECK_POLICIES:
-        raise CheckUsageError(f"unknown policy {policy!r}; expected one of {', '.join(CHECK_POLICIES)}")
+    if policy is not None:
+        import warnings
+
+        warnings.warn("run_check(policy=...) is deprecated; pass on_anomaly=... (the name nantrace.watch uses)",
+                      DeprecationWarning, stacklevel=2)
+        on_anomaly = policy
+    if on_anomaly not in CHECK_POLICIES:
+        raise CheckUsageError(f"unknown on_anomaly policy {on_anomaly!r}; expected one of {', '.join(CHECK_POLICIES)}")
     target: str | None = None
     if isinstance(spec, str):
         target = spec
@@ -432,7 +447,7 @@ def run_check(
             spec = resolve_spec(_call_factory(spec, label), label)
         else:
             spec = resolve_spec(spec)
-        result = _train(spec, steps=steps, seed=seed, policy=policy, run_dir=run_dir)
+        result = _train(spec, steps=steps, seed=seed, policy=on_anomaly, run_dir=run_dir)
     result.target = target
     result.seconds = time.perf_counter() - start
     return result
@@ -445,7 +460,8 @@ def _train(spec: CheckSpec, *, steps: int, seed: int, policy: str, run_dir: Any)
     model = spec.model
     optimizer = spec.optimizer if spec.optimizer is not None else torch.optim.AdamW(model.parameters(), lr=1e-3)
     config = (spec.config or Config()).replace(print_incidents=False)
-    result = CheckResult(target=None, steps=steps, steps_run=0, seed=seed, policy=policy, incidents=[],
+    stops = policy in ("raise", "pause")
+    result = CheckResult(target=None, steps=steps, steps_run=0, seed=seed, on_anomaly=policy, incidents=[],
                          run_dir=os.fspath(run_dir) if run_dir is not None else None)
     try:
         guard = nantrace.watch(model, optimizer, spec.scaler, run_dir=run_dir, on_anomaly=policy, config=config)
@@ -465,18 +481,18 @@ def _train(spec: CheckSpec, *, steps: int, seed: int, policy: str, run_dir: Any)
                     result.data_warnings.append({"step": step, **issue.to_dict()})
             if bad:
                 for issue in bad:
-                    issue.details["action"] = "raised" if policy == "raise" else "skipped"
+                    issue.details["action"] = {"raise": "raised", "pause": "paused"}.get(policy, "skipped")
                     guard.record_data_incident(issue)
-                if policy == "raise":
-                    result.stopped = f"policy raise: the batch of step {step} failed validation ({bad[0].cause})"
+                if stops:
+                    result.stopped = f"on_anomaly={policy}: the batch of step {step} failed validation ({bad[0].cause})"
                     break
                 _empty_step(optimizer, spec.lr_scheduler)  # the batch is dropped; the step still counts
                 continue
             try:
                 _train_step(spec, model, optimizer, loss_fn, batch, device_type)
             except NonFiniteError as exc:
-                result.stopped = (f"policy raise: stopped at step {step} ({exc.incident.kind}, {exc.incident.cause})"
-                                  if policy == "raise" else
+                result.stopped = (f"on_anomaly={policy}: stopped at step {step} ({exc.incident.kind}, {exc.incident.cause})"
+                                  if stops else
                                   f"step {step}: {exc.incident.cause} cannot be skipped ({exc.incident.kind}); training cannot go on")
                 break
             except CheckUsageError:
@@ -599,8 +615,21 @@ def _described(value: Any) -> str:
     return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
-def _tb(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback as Python prints it, from the first frame outside nantrace (the user's
+    code: a check function, an imported module) on; nantrace's own frames above it say nothing."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and _ours(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _ours(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path == _PACKAGE_DIR or path.startswith(_PACKAGE_DIR + os.sep) or "importlib._bootstrap" in filename
 
 
 def _ranges(steps: Iterable[int]) -> str:

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from ..incident import Incident
+from ..storage.runlife import RunStatus
 from ..storage.runstore import DB_NAME, RunStore
 
 MAX_CURVE_BUCKETS = 2000
@@ -135,6 +136,8 @@ class ReportData:
     heatmaps: list[Heatmap]
     layer_rows: int
     downsampled: bool
+    status: RunStatus | None = None
+    """How the run stands or ended (``finished``, ``interrupted``...; see ``docs/run_store.md``)."""
 
     @property
     def n_steps(self) -> int:
@@ -147,6 +150,9 @@ def resolve_run_dir(run_dir: str | os.PathLike[str]) -> Path:
     path = Path(run_dir)
     if path.name == DB_NAME and path.is_file():
         return path.parent
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{str(path)!r} is a file, not a run directory; expected the directory given to "
+                         f"nantrace.watch(run_dir=...), which holds {DB_NAME}")
     return path
 
 
@@ -171,6 +177,7 @@ def load_report_data(
     with RunStore(path, readonly=True) as store:  # validates the directory and the database
         meta = store.meta()
         incidents = store.incidents()
+        status = store.status()
     db_path = path / DB_NAME
     with contextlib.closing(_connect(db_path)) as conn:
         raw = conn.execute(
@@ -264,6 +271,7 @@ def load_report_data(
         heatmaps=heatmaps,
         layer_rows=layer_rows,
         downsampled=buckets.reduced,
+        status=status,
     )
 
 
@@ -343,8 +351,12 @@ def _names(value: Any) -> list[str]:
     return [str(v) for v in value] if isinstance(value, list) else []
 
 
+ROOT_LABEL = "(model)"
+"""Row label of the watched model itself (its module path is the empty string)."""
+
+
 def _layer_labels(names: list[str], count: int) -> list[str]:
-    labels = [names[i] if i < len(names) else f"layer {i}" for i in range(count)]
+    labels = [(names[i] or ROOT_LABEL) if i < len(names) else f"layer {i}" for i in range(count)]
     seen: dict[str, int] = {}
     for i, label in enumerate(labels):  # plotly merges equal category names: keep them apart
         if label in seen:
@@ -585,7 +597,20 @@ def read_snippet(source: str | None, run_dir: Path, meta: dict[str, Any] | None 
         return None
     if not any(n == line for n, _ in lines):
         return None
-    return CodeSnippet(path=str(path), line=line, lines=lines)
+    return CodeSnippet(path=shown_path(str(path), meta or {}), line=line, lines=lines)
+
+
+def shown_path(path: str, meta: dict[str, Any]) -> str:
+    """``path`` (or ``path:LINE``) as the report shows it: relative to the run's working
+    directory (meta ``cwd``) when it lies under it, else to the current one, else as is."""
+    from ..console import display_path
+
+    cwd = meta.get("cwd")
+    if isinstance(cwd, str):
+        shown = display_path(path, cwd)
+        if shown != path:
+            return shown
+    return display_path(path)
 
 
 def _find_source(name: Path, run_dir: Path, meta: dict[str, Any]) -> Path | None:

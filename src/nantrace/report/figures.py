@@ -49,6 +49,17 @@ class FigureSpec:
 
 
 # ----------------------------------------------------------------------------- curves
+MARGIN_RIGHT = 110
+"""Right margin of every chart (room for a heatmap's colour bar), so all plot areas align."""
+
+
+def margin_left(data: ReportData) -> int:
+    """Left margin shared by every chart: room for the longest heatmap row label (10 px font),
+    so the step axes of the curves and of the heatmaps line up one above the other."""
+    longest = max((len(label) for h in data.heatmaps for label in h.layers), default=0)
+    return int(min(280, max(70, 6 * longest + 16)))
+
+
 def curve_figures(data: ReportData) -> list[FigureSpec]:
     """Loss, gradient/parameter norms, learning rate(s) and loss scale over steps."""
     by_key = {c.key: c for c in data.curves}
@@ -62,6 +73,21 @@ def curve_figures(data: ReportData) -> list[FigureSpec]:
     if "scale" in by_key:
         groups.append(("curve-scale", "GradScaler loss scale", [by_key["scale"]], "scale"))
     return [FigureSpec(div_id, _curve_figure(curves, axis, data), title) for div_id, title, curves, axis in groups]
+
+
+def step_range(data: ReportData) -> list[float] | None:
+    """The x range every chart shares: the run's first to last step (half a step of margin),
+    so that a step sits at the same place in each of them."""
+    if data.first_step is None or data.last_step is None:
+        return None
+    return [data.first_step - 0.5, data.last_step + 0.5]
+
+
+LOG_AXIS: dict[str, Any] = dict(type="log", dtick=1, exponentformat="power", showexponent="all", minor=dict(showgrid=True))
+"""A log y axis labelled at powers of ten only (10⁻², 10⁻¹, 1, 10...), with unlabelled minor
+grid lines between them: plotly's default also labels 2 and 5 of every decade, which over a
+few decades reads as a column of crowded digits."""
+LINEAR_AXIS: dict[str, Any] = dict(type="linear", dtick=None, exponentformat="e", showexponent="all")
 
 
 def _curve_figure(curves: list[Curve], axis_title: str, data: ReportData) -> go.Figure:
@@ -84,20 +110,25 @@ def _curve_figure(curves: list[Curve], axis_title: str, data: ReportData) -> go.
     _add_marks(fig, data.skipped, 0.015, "square", SKIP_COLOUR, "update skipped", "update skipped")
     _add_marks(fig, data.scaler_skips, 0.015, "square-open", SKIP_COLOUR, "GradScaler skip", "GradScaler skipped the step (calibration)")
     _add_incidents(fig, data.incidents, y=1.0)
-    yaxis: dict[str, Any] = dict(title=dict(text=axis_title), type="log" if log else "linear", exponentformat="e")
+    yaxis: dict[str, Any] = dict(title=dict(text=axis_title), **(LOG_AXIS if log else LINEAR_AXIS))
     if not log:
         yaxis.update(_flat_range(curves))
+    xaxis: dict[str, Any] = dict(title=dict(text="step"), showspikes=True, spikemode="across", spikethickness=1)
+    if step_range(data) is not None:
+        xaxis["range"] = step_range(data)
     fig.update_layout(
-        height=290, margin=dict(l=70, r=20, t=36, b=40), template="plotly_white", hovermode="closest",
+        height=290, margin=dict(l=margin_left(data), r=MARGIN_RIGHT, t=36, b=40), template="plotly_white",
+        hovermode="closest",
         legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1, font=dict(size=11)),
-        xaxis=dict(title=dict(text="step"), showspikes=True, spikemode="across", spikethickness=1),
+        xaxis=xaxis,
         yaxis=yaxis,
         yaxis2=dict(overlaying="y", range=[0, 1], visible=False, fixedrange=True),
         updatemenus=[dict(
             type="buttons", direction="left", x=0.0, xanchor="left", y=1.0, yanchor="bottom", pad=dict(t=0, b=4),
             showactive=True, active=1 if log else 0, font=dict(size=10),
-            buttons=[dict(label="linear", method="relayout", args=[{"yaxis.type": "linear"}]),
-                     dict(label="log", method="relayout", args=[{"yaxis.type": "log"}])],
+            buttons=[dict(label="linear", method="relayout", args=[{f"yaxis.{k}": v for k, v in LINEAR_AXIS.items()}]),
+                     dict(label="log", method="relayout",
+                          args=[{f"yaxis.{k}": v for k, v in LOG_AXIS.items() if k != "minor"}])],
         )],
     )
     _add_incident_lines(fig, data.incidents)
@@ -229,20 +260,32 @@ def _decade(v: float) -> str:
     return f"{10 ** v:.2g}"
 
 
-def heatmap_figure(heatmap: Heatmap, incidents: Sequence[Incident]) -> FigureSpec:
-    """A layers × step-buckets heatmap of ``heatmap`` (max per bucket, log colour scale)."""
-    enc = encode_heatmap(heatmap.values, heatmap.present)
-    shown = np.where(heatmap.present, heatmap.values, np.nan)
+def heatmap_figure(heatmap: Heatmap, incidents: Sequence[Incident], span: Sequence[float] | None = None,
+                   left: int = 150) -> FigureSpec:
+    """A layers × steps heatmap of ``heatmap`` (max per bucket, log colour scale).
+
+    Only the columns holding a measurement are drawn, each centred on its step and as wide
+    as the gaps to its neighbours (a figure sampled every 25 steps fills the width instead
+    of 5 thin columns among 120), and rows never measured (a container that never runs) are
+    left out. ``span`` and ``left`` (the left margin, px) are shared with the other charts.
+    """
+    rows = np.flatnonzero(heatmap.present.any(axis=1))
+    cols = np.flatnonzero(heatmap.present.any(axis=0))
+    values, present = heatmap.values[np.ix_(rows, cols)], heatmap.present[np.ix_(rows, cols)]
+    layers = [heatmap.layers[i] for i in rows.tolist()]
+    starts, ends = heatmap.start[cols], heatmap.end[cols]
+    enc = encode_heatmap(values, present)
+    shown = np.where(present, values, np.nan)
     magnitude = np.abs(shown[np.isfinite(shown) & (shown != 0)])
     if not len(magnitude) or (magnitude.max() < 1e38 and magnitude.min() > 1e-37):
         shown = shown.astype(np.float32)  # half the bytes; float64 only where float32 would distort a value
-    n_layers = len(heatmap.layers)
-    per = f"max over buckets of {heatmap.bucket_width} steps" if heatmap.bucket_width > 1 else "one column per step"
-    if heatmap.stride > 1:
-        per += f", every {ordinal(heatmap.stride)} step read + all special steps"
-    title = f"{heatmap.title} ({per}; log colour scale)"
+    n_layers = len(layers)
+    title = f"{heatmap.title} ({_columns_phrase(heatmap, starts, ends)}; log colour scale)"
+    hidden = len(heatmap.layers) - n_layers
+    if hidden:
+        title += f" · {hidden} never-measured row{'s' if hidden > 1 else ''} not shown"
     fig = go.Figure(go.Heatmap(
-        z=enc.z, x=heatmap.start, y=heatmap.layers, customdata=shown,
+        z=enc.z, x=starts, y=layers, customdata=shown,
         zmin=enc.zmin, zmax=enc.zmax, colorscale=enc.colorscale, hoverongaps=False,
         colorbar=dict(title=dict(text=html.escape(heatmap.label), side="right"), tickvals=enc.tickvals,
                       ticktext=enc.ticktext, thickness=14, len=1.0, lenmode="fraction"),
@@ -251,26 +294,29 @@ def heatmap_figure(heatmap: Heatmap, incidents: Sequence[Incident]) -> FigureSpe
     ))
     height = int(min(1400, max(260, 7 * n_layers + 130) if n_layers > 30 else max(260, 18 * n_layers + 130)))
     strip = 24 / (height - 34 - 40)  # a thin band above the grid for the marks, as a fraction of the plot
+    xaxis: dict[str, Any] = dict(title=dict(text="step"), showgrid=False)
+    if span is not None:
+        xaxis["range"] = list(span)
     fig.update_layout(
         height=height,
-        margin=dict(l=10, r=20, t=34, b=40), template="plotly_white", hovermode="closest",
+        margin=dict(l=left, r=MARGIN_RIGHT, t=34, b=40), template="plotly_white", hovermode="closest",
         legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0, font=dict(size=11)),
-        xaxis=dict(title=dict(text="step"), showgrid=False),
-        yaxis=dict(autorange="reversed", automargin=True, showgrid=False, tickfont=dict(size=10), domain=[0, 1 - strip]),
+        xaxis=xaxis,
+        yaxis=dict(autorange="reversed", automargin=False, showgrid=False, tickfont=dict(size=10), domain=[0, 1 - strip]),
         yaxis2=dict(domain=[1 - strip, 1], range=[0, 1], visible=False, fixedrange=True, anchor="x"),
     )
     # columns holding a non-finite cell are marked above the grid: a one-pixel-wide red
     # column of a long run would be easy to miss otherwise
-    bad = heatmap.present & ~np.isfinite(heatmap.values)
+    bad = present & ~np.isfinite(values)
     columns = np.flatnonzero(bad.any(axis=0))
     if len(columns):
         counts = bad[:, columns].sum(axis=0)
-        names = [", ".join(heatmap.layers[i] for i in np.flatnonzero(bad[:, c])[:3]) + (" …" if n > 3 else "")
+        names = [", ".join(layers[i] for i in np.flatnonzero(bad[:, c])[:3]) + (" …" if n > 3 else "")
                  for c, n in zip(columns.tolist(), counts.tolist())]
         text = [f"steps {a}–{b}: non-finite {html.escape(heatmap.label)} in {n} of {n_layers} rows ({html.escape(w)})"
-                for a, b, n, w in zip(heatmap.start[columns].tolist(), heatmap.end[columns].tolist(), counts.tolist(), names)]
+                for a, b, n, w in zip(starts[columns].tolist(), ends[columns].tolist(), counts.tolist(), names)]
         fig.add_trace(go.Scatter(
-            x=heatmap.start[columns], y=np.full(len(columns), 0.3), yaxis="y2", mode="markers",
+            x=starts[columns], y=np.full(len(columns), 0.3), yaxis="y2", mode="markers",
             name=f"non-finite ({len(columns)} columns)", text=text, hovertemplate="%{text}<extra></extra>",
             marker=dict(symbol="x", color=NAN_COLOUR, size=8), cliponaxis=False, showlegend=True,
         ))
@@ -282,6 +328,22 @@ def heatmap_figure(heatmap: Heatmap, incidents: Sequence[Incident]) -> FigureSpe
             marker=dict(symbol="triangle-down", color=INCIDENT_COLOUR, size=11), cliponaxis=False, showlegend=True,
         ))
     return FigureSpec(f"heatmap-{heatmap.key}", fig, title)
+
+
+def _columns_phrase(heatmap: Heatmap, starts: np.ndarray, ends: np.ndarray) -> str:
+    """How the columns were formed: ``one column per step``, ``measured every 25 steps``..."""
+    gaps = np.unique(np.diff(starts)) if len(starts) > 1 else np.zeros(0, dtype=np.int64)
+    if heatmap.bucket_width > 1:
+        phrase = f"max over buckets of {heatmap.bucket_width} steps"
+    elif len(gaps) == 1 and gaps[0] > 1:
+        phrase = f"measured every {int(gaps[0])} steps"
+    elif len(gaps) > 1 or (len(starts) and len(starts) < int(ends[-1] - starts[0] + 1)):
+        phrase = "measured at sampled steps"
+    else:
+        phrase = "one column per step"
+    if heatmap.stride > 1:
+        phrase += f", every {ordinal(heatmap.stride)} step read + all special steps"
+    return phrase
 
 
 # ----------------------------------------------------------------------------- sparklines

@@ -15,6 +15,7 @@ file next to the target and renamed over it, so a reader never sees half a repor
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -29,8 +30,8 @@ from plotly.offline import get_plotlyjs
 
 from ..incident import Incident
 from . import template as t
-from .data import ReportData, load_report_data, read_snippet, resolve_run_dir
-from .figures import FigureSpec, curve_figures, heatmap_figure, sparkline_svg
+from .data import ReportData, load_report_data, read_snippet, resolve_run_dir, shown_path
+from .figures import FigureSpec, curve_figures, heatmap_figure, margin_left, sparkline_svg, step_range
 
 REPORT_NAME = "report.html"
 MAX_CARDS = 200
@@ -61,9 +62,12 @@ def render_report(run_dir: str | os.PathLike[str], output: str | os.PathLike[str
 def build_html(data: ReportData) -> str:
     """The report page of already loaded ``data``."""
     from .. import __version__
+    from ..console import display_path
 
+    data = dataclasses.replace(data, incidents=[_displayed(i, data.meta) for i in data.incidents])
     specs: list[FigureSpec] = curve_figures(data) if data.n_steps else []
-    heat_specs = [heatmap_figure(h, data.incidents) for h in data.heatmaps if h.values.size]
+    heat_specs = [heatmap_figure(h, data.incidents, step_range(data), margin_left(data))
+                  for h in data.heatmaps if h.values.size and h.present.any()]
     cards, carded = _cards(data)
     curves_html = "".join(_plot_div(s) for s in specs) if specs else (
         '<p class="note">No steps were recorded in this run.</p>')
@@ -87,7 +91,7 @@ def build_html(data: ReportData) -> str:
         version=__version__,
         title=f"nantrace report: {model} ({data.run_dir.name})",
         heading=t.esc(f"{model} · {data.n_steps:,} steps · {len(data.incidents)} incident(s)"),
-        run_dir=str(data.run_dir),
+        run_dir=display_path(str(data.run_dir)),
         rendered=_dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z"),
         n_incidents=len(data.incidents),
         facts=t.facts_html(_facts(data)),
@@ -112,7 +116,10 @@ def _facts(data: ReportData) -> list[tuple[str, str]]:
     loss = next(c for c in data.curves if c.key == "loss")
     params = meta.get("num_parameters")
     kinds = Counter(i.kind for i in data.incidents)
+    status = data.status
     facts: list[tuple[str, str]] = [
+        ("status", f'<span class="{"nonfinite" if status and status.state in ("interrupted", "failed") else ""}">'
+                   f'{t.esc(status.state if status else "unknown")}</span>'),
         ("model", t.esc(meta.get("model_class"))),
         ("parameters", (f"{params:,} ({_short(params)})" if params >= 1000 else str(params))
          if isinstance(params, int) else t.esc(params)),
@@ -142,6 +149,12 @@ def _facts(data: ReportData) -> list[tuple[str, str]]:
 
 def _notes(data: ReportData, n_cards: int) -> list[str]:
     notes = []
+    status = data.status
+    if status is not None and status.state in ("interrupted", "failed", "running", "unknown") and status.reason:
+        verdict = {"interrupted": "This run was interrupted", "failed": "This run failed",
+                   "running": "This run is still running", "unknown": "How this run ended is unknown"}[status.state]
+        notes.append(f"{verdict}: {status.reason}. The report shows every step recorded"
+                     + (f", up to step {status.last_step}." if status.last_step is not None else "."))
     if data.downsampled:
         notes.append(
             f"This run has {data.n_steps:,} steps: the curves show the minimum, maximum and last value of each "
@@ -184,6 +197,16 @@ def _cards(data: ReportData) -> tuple[str, set[str]]:
         cards.append(t.incident_card_html(inc, snippet, history, sparks))
         carded.add(inc.id)
     return "".join(cards), carded
+
+
+def _displayed(inc: Incident, meta: dict[str, Any]) -> Incident:
+    """A copy of ``inc`` whose paths (source, bundle, the chain's sources) read relative to
+    the run's working directory, as the terminal shows them."""
+    chain = [dict(c, source=shown_path(c["source"], meta)) if isinstance(c.get("source"), str) else c
+             for c in inc.chain]
+    return dataclasses.replace(
+        inc, source=shown_path(inc.source, meta) if inc.source else inc.source,
+        bundle=shown_path(inc.bundle, meta) if inc.bundle else inc.bundle, chain=chain)
 
 
 def _history(inc: Incident, at_step: dict[str, Any] | None) -> list[dict[str, Any]]:

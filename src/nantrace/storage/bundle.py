@@ -147,6 +147,8 @@ class Bundle:
 def load_bundle(path: str | os.PathLike[str]) -> Bundle:
     """Read a bundle directory; a missing or corrupt one raises ``ValueError`` saying what is wrong."""
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{str(p)!r} is a file, not a bundle directory; expected run_dir/incidents/<incident> written by nantrace")
     if not p.is_dir():
         raise ValueError(f"bundle directory {str(p)!r} does not exist; expected run_dir/incidents/<incident> written by nantrace")
     missing = [name for name in REQUIRED if not (p / name).is_file()]
@@ -155,7 +157,8 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
     try:
         env = json.loads((p / "env.json").read_text())
     except Exception as exc:
-        raise ValueError(f"bundle {str(p)!r}: env.json is corrupt or unreadable: {type(exc).__name__}: {exc}") from None
+        raise ValueError(f"{str(p / 'env.json')!r} is corrupt or unreadable (truncated or not written by nantrace): "
+                         f"{type(exc).__name__}: {exc}") from None
     version = env.get("format_version") if isinstance(env, dict) else None
     if not isinstance(version, int) or version < 1:
         raise ValueError(f"bundle {str(p)!r} has no valid format_version in env.json (found {version!r}); this nantrace "
@@ -164,12 +167,21 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
         raise ValueError(f"bundle {str(p)!r} was written in bundle format {version} (nantrace "
                          f"{env.get('nantrace_version', '?')}); this nantrace reads formats 1..{FORMAT_VERSION}: "
                          "upgrade nantrace to replay it")
+    loaded: dict[str, Any] = {"env.json": env}
+    for name in ("diagnosis.json", "state.pt", "batch.pt"):
+        try:
+            if name.endswith(".json"):
+                loaded[name] = json.loads((p / name).read_text())
+            else:
+                loaded[name] = torch.load(p / name, weights_only=True, map_location="cpu")
+        except Exception as exc:  # the file, named, and why: torch's own message names none
+            raise ValueError(f"{str(p / name)!r} is corrupt or unreadable (truncated or not written by nantrace): "
+                             f"{type(exc).__name__}: {exc}") from None
     try:
-        incident = Incident.from_dict(json.loads((p / "diagnosis.json").read_text()))
-        state = torch.load(p / "state.pt", weights_only=True, map_location="cpu")
-        batch = torch.load(p / "batch.pt", weights_only=True, map_location="cpu")
+        incident = Incident.from_dict(loaded["diagnosis.json"])
     except Exception as exc:
-        raise ValueError(f"bundle {str(p)!r} is corrupt or unreadable: {type(exc).__name__}: {exc}") from None
+        raise ValueError(f"{str(p / 'diagnosis.json')!r} is not a nantrace incident: {type(exc).__name__}: {exc}") from None
+    env, state, batch = loaded["env.json"], loaded["state.pt"], loaded["batch.pt"]
     forwards = []
     for f in batch.get("forwards", []):
         ac = f["autocast"]

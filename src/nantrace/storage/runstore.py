@@ -1,23 +1,35 @@
-"""The run store: one SQLite database (WAL) per run directory.
+"""The run store: one SQLite database (WAL) per run directory, one run per directory.
 
 One row per optimizer step and one per incident, committed as they happen, so another
 process can read the run while it trains and a killed process loses at most the step in
 flight. The schema is documented in ``docs/run_store.md``.
+
+A run directory never mixes runs (see :mod:`nantrace.storage.runlife`): a writer opened in
+a directory that holds an earlier run sets that run aside under ``RUN_DIR/previous/`` first;
+one that holds a run still being written by a live process is refused; writers of the same
+process share the run (a second guard, a second ``fit``). The store records how the run
+ended (``status``): ``finished``, ``failed``, ``interrupted``, or ``running`` while a writer
+is open; a run whose process was killed keeps ``running`` with a dead ``pid``, and
+:meth:`RunStore.status` reports it as ``interrupted``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import math
 import os
 import sqlite3
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..incident import Incident
+from . import runlife
+from .runlife import RunStatus
 
 DB_NAME = "nantrace.db"
 SCHEMA_VERSION = 1
@@ -84,13 +96,27 @@ def _unnum(value: Any) -> float | None:
     return float(value)
 
 
+_WRITERS: "weakref.WeakSet[RunStore]" = weakref.WeakSet()
+"""Writers open in this process: the last one to close a database records how the run ended,
+and those still open when the interpreter exits are closed by :func:`_close_at_exit`."""
+
+
 class RunStore:
-    """Writer and reader of a run directory's ``nantrace.db``."""
+    """Writer and reader of a run directory's ``nantrace.db``.
+
+    ``RunStore(run_dir)`` opens (or starts) the run of ``run_dir`` for writing: an earlier
+    run found there is set aside under ``run_dir/previous/`` (a note says where), a run a
+    live process is writing raises ``ValueError``; ``readonly=True`` opens it for reading.
+    """
 
     def __init__(self, run_dir: str | os.PathLike[str], *, readonly: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / DB_NAME
         self.readonly = readonly
+        self.set_aside: Path | None = None
+        """Where the earlier run found in ``run_dir`` was moved, if one was."""
+        self._ending: tuple[str, str | None] = ("finished", None)
+        self._closed = False
         if readonly:
             if not self.run_dir.is_dir():
                 raise ValueError(f"run directory {str(self.run_dir)!r} does not exist; expected a directory written by nantrace.watch(run_dir=...)")
@@ -105,13 +131,29 @@ class RunStore:
                 raise ValueError(f"{str(self.path)!r} is not a readable nantrace run store ({exc})") from None
         else:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.set_aside = runlife.claim(self.run_dir, DB_NAME)
             self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.executescript(_SCHEMA)
-            self.set_meta("schema_version", SCHEMA_VERSION)
-            if self.get_meta("created") is None:
-                self.set_meta("created", time.time())
+            with self.transaction():
+                self.set_meta("schema_version", SCHEMA_VERSION)
+                owner = self.get_meta("writer")
+                if owner is not None and owner.get("process") != runlife.PROCESS:
+                    self._conn.close()  # another process started a run here at the same moment
+                    raise ValueError(runlife.busy_message(self.run_dir, owner))
+                if owner is None:
+                    self.set_meta("created", time.time())
+                    self.set_meta("writer", runlife.writer_identity())
+                self.set_meta("status", "running")
+                self.set_meta("ended", None)
+                self.set_meta("end_reason", None)
+            _WRITERS.add(self)
+            if self.set_aside is not None:
+                from ..console import display_path, note
+
+                note(f"{display_path(str(self.run_dir))} held an earlier run; it was moved to "
+                     f"{display_path(str(self.set_aside))} so that runs never mix (docs/run_store.md)")
 
     # ----------------------------------------------------------------- writing
     @contextlib.contextmanager
@@ -198,7 +240,30 @@ class RunStore:
             ),
         )
 
+    def end_as(self, status: str, reason: str | None = None) -> None:
+        """Record, when this writer closes, that the run ended as ``status`` (``finished``,
+        ``failed`` or ``interrupted``) for ``reason`` (e.g. the script's exception)."""
+        if status not in runlife.ENDINGS:
+            raise ValueError(f"status must be one of {', '.join(runlife.ENDINGS)}; got {status!r}")
+        self._ending = (status, reason)
+
     def close(self) -> None:
+        """Close the connection; a writer records the run's end first (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.readonly:
+            _WRITERS.discard(self)
+            others = any(w.path.resolve() == self.path.resolve() for w in list(_WRITERS))
+            if not others:  # the last writer of this process: the run ends here
+                status, reason = self._ending
+                try:
+                    with self.transaction():
+                        self.set_meta("status", status)
+                        self.set_meta("ended", time.time())
+                        self.set_meta("end_reason", reason)
+                except sqlite3.Error:
+                    pass
         try:
             self._conn.close()
         except sqlite3.Error:
@@ -211,6 +276,13 @@ class RunStore:
 
     def meta(self) -> dict[str, Any]:
         return {k: json.loads(v) for k, v in self._conn.execute("SELECT key, value FROM meta")}
+
+    def status(self) -> RunStatus:
+        """How the run stands: ``running``, ``finished``, ``failed``, ``interrupted`` (its
+        process died without closing the store: killed, or the machine went down), or
+        ``unknown`` (a store written before nantrace recorded it)."""
+        last = self._conn.execute("SELECT max(step), max(time) FROM steps").fetchone()
+        return runlife.status_of(self.meta(), last_step=last[0], last_time=last[1])
 
     def steps(self) -> list[dict[str, Any]]:
         rows = self._conn.execute(
@@ -254,3 +326,17 @@ class RunStore:
         self.close()
 
 
+
+
+def _close_at_exit() -> None:
+    """At interpreter exit, close the writers nobody closed, recording how the process ended:
+    ``failed`` after an uncaught exception, ``interrupted`` after Ctrl-C, else ``finished``."""
+    ending = runlife.exit_ending()
+    for store in list(_WRITERS):
+        if store._ending == ("finished", None):  # nobody said how it ended
+            store.end_as(*ending)
+        store.close()
+
+
+
+atexit.register(_close_at_exit)

@@ -60,7 +60,7 @@ def assert_check(
         raise TypeError(f"pass either a spec or its fields as keywords, not both (got spec and {', '.join(fields)})")
     if not isinstance(expect_incident, (bool, str)):
         raise TypeError(f"expect_incident must be a bool or a cause/kind string; got {expect_incident!r}")
-    result = run_check(spec if spec is not None else dict(fields), steps=steps, seed=seed, policy=policy, run_dir=run_dir)
+    result = run_check(spec if spec is not None else dict(fields), steps=steps, seed=seed, on_anomaly=policy, run_dir=run_dir)
     if expect_incident is False:
         if not result.ok:
             raise AssertionError(result.report_text(width))
