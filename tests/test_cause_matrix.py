@@ -92,10 +92,13 @@ def _nantrace_run(name: str, variant: str) -> Key | None:
     if not main:
         return None
     inc = main[0]
+    if "localisation_error" in inc.details:  # localisation must never fail, silently or not
+        LOCALISATION_ERRORS.append(f"{name} [{variant}]: {inc.details['localisation_error']}")
     return (inc.step, inc.phase, inc.op, inc.module, inc.cause, _where(inc.source))
 
 
 RESULTS: dict[tuple[str, str], tuple[Key | None, Key | None, float]] = {}
+LOCALISATION_ERRORS: list[str] = []
 
 
 def compare(name: str, variant: str) -> tuple[Key | None, Key | None]:
@@ -172,7 +175,9 @@ def _one_thread():
 # ---------------------------------------------------------------- nantrace == oracle
 @pytest.mark.parametrize("name,variant", RUNS, ids=[f"{n}[{v}]" for n, v in RUNS])
 def test_nantrace_agrees_with_oracle(name: str, variant: str) -> None:
+    errors = len(LOCALISATION_ERRORS)
     want, got = compare(name, variant)
+    assert len(LOCALISATION_ERRORS) == errors, LOCALISATION_ERRORS[-1]
     assert want is not None, "the oracle found no failure: the case is broken"
     assert _fields(got) == _fields(want), f"\n oracle:   {_fmt(want)}\n nantrace: {_fmt(got)}"
 

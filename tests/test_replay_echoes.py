@@ -47,3 +47,32 @@ def test_prints_logs_and_warnings_appear_once_per_real_call(capsys, caplog, recw
     assert [r.getMessage() for r in caplog.records if r.name == "user.model"] == ["logged in forward"]
     assert [str(w.message) for w in recwarn if "warned in forward" in str(w.message)] == ["warned in forward"]
     assert logging.root.manager.disable == logging.NOTSET  # logging switched back on after the replay
+
+
+class OneShot(nn.Module):
+    """A model with a side effect: its second call (the replay) raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("generator already exhausted")
+        return torch.log(self.fc(x))
+
+
+def test_a_model_that_cannot_be_replayed_gets_a_diagnosis_that_says_so():
+    torch.manual_seed(0)
+    model = OneShot()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nantrace.watch(model, opt, config=nantrace.Config(print_incidents=False)) as guard:
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    [incident] = guard.incidents
+    assert incident.action == "skipped" and "localisation_error" not in incident.details
+    assert incident.details["not_replayable"] == "RuntimeError: generator already exhausted"
+    assert "could not be replayed" in incident.summary and "generator already exhausted" in incident.summary

@@ -235,6 +235,8 @@ class ScriptResult:
     """What Python prints for a ``SystemExit`` with a non-integer code (``sys.exit("msg")``)."""
     traceback: str | None = None
     """The uncaught exception's traceback, starting at the script's own frames."""
+    diagnosed: list[Any] = dataclasses.field(default_factory=list)
+    """Incidents of kind ``exception``: the uncaught exception was caused by a bad value (printed after the traceback)."""
 
 
 def default_run_dir(script: str | os.PathLike[str], root: str | os.PathLike[str] = "nantrace-runs") -> Path:
@@ -283,6 +285,10 @@ def run_script(script: str | os.PathLike[str], args: list[str] | tuple[str, ...]
             except BaseException as exc:  # the script's uncaught exception: report it as Python would
                 result.exit_code, result.error = 1, exc
                 result.traceback = _script_traceback(exc, path)
+                for guard in auto.guards:  # diagnosed while the step is still in memory; shown after the traceback
+                    found = guard.diagnose_exception(exc, announce=False)
+                    if found is not None:
+                        result.diagnosed.append(found)
                 auto.end_runs_as("failed", f"the script raised {type(exc).__name__}: {exc}")
     finally:
         sys.argv = saved_argv

@@ -78,6 +78,9 @@ class ForwardRecord:
     autocast: AutocastState
     buffers: dict[str, torch.Tensor] | None
     output_grads: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    outputs: list[Any] = dataclasses.field(default_factory=list)
+    """Weak references to the forward's floating outputs, so a replay of the loss code can be
+    fed the replayed outputs in their place (one dataflow graph from the model to the loss)."""
 
 
 @dataclasses.dataclass

@@ -248,6 +248,8 @@ class Guard:
                 n for n, b in self.root.named_buffers() if n in record.buffers and b._version != record.buffers[n]._nantrace_version  # type: ignore[attr-defined]
             }
         outputs = floating_tensors(output)
+        if self._tape is not None:
+            record.outputs = [weakref.ref(t) for t in outputs]
         if self.config.check_outputs:
             flag = all_finite(outputs)
             if flag is not None:
@@ -514,12 +516,12 @@ class Guard:
             self._finish_step(decision, raised=True)
             raise NonFiniteError(incident)
 
-    def _record(self, incident: Incident) -> None:
+    def _record(self, incident: Incident, *, announce: bool = True) -> None:
         """Keep, store and print one incident."""
         self.incidents.append(incident)
         if self.store is not None:
             self.store.log_incident(incident)
-        if self.config.print_incidents:
+        if self.config.print_incidents and announce:
             console.print_incident(incident)
 
     def _write_bundle(self, incident: Incident) -> None:
@@ -533,14 +535,15 @@ class Guard:
         self._bundles_written += 1
 
     # ------------------------------------------------------------ failures that raise
-    def diagnose_exception(self, exc: BaseException) -> Incident | None:
+    def diagnose_exception(self, exc: BaseException, *, announce: bool = True) -> Incident | None:
         """Diagnose an exception the current step raised (called by nantrace's own hooks: the
         model's forward, the loss code, ``with guard:`` and an uncaught exception).
 
         When a value caused it (a NaN reaching an op that validates its input, an index out of
         range, an argument outside an op's domain) an incident of kind ``exception`` is recorded,
         printed and bundled, and returned; the exception itself is left to propagate unchanged.
-        Anything else returns ``None``. Each exception is diagnosed once.
+        Anything else returns ``None``. Each exception is diagnosed once. ``announce=False``
+        keeps it from being printed (the caller prints it, e.g. after the traceback).
         """
         if self.closed or self._replaying or not isinstance(exc, Exception) or isinstance(exc, NonFiniteError):
             return None
@@ -567,7 +570,7 @@ class Guard:
             return None
         if self.store is not None and self.config.save_bundle and not self.sharded:
             self._write_bundle(incident)
-        self._record(incident)
+        self._record(incident, announce=announce)
         self._capture = self._new_capture()
         return incident
 

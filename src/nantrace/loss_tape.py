@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .capture import AutocastState
 from .localisation.tracer import user_source
 
 MAX_ENTRIES = 256
@@ -81,6 +82,8 @@ class LossTape(TorchFunctionMode):
         """(index of the call that raised, the exception), when the loss code raised."""
         self._made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._recording = False
+        self.autocast: AutocastState | None = None
+        """The autocast state the loss code ran under (taken when recording starts)."""
         self.on_exception: Callable[[BaseException], None] | None = None
 
     # ------------------------------------------------------------------ the mode stack
@@ -88,6 +91,8 @@ class LossTape(TorchFunctionMode):
         """Start (or go on) recording: the watched model's forward has just returned."""
         if not self._on_stack():
             torch._C._push_on_torch_function_stack(self)
+        if not self.entries:
+            self.autocast = AutocastState.current()
         self._recording = True
 
     def pause(self) -> None:

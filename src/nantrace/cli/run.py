@@ -66,6 +66,11 @@ def run_command(
     sys.stdout.flush()
     if result.traceback:
         sys.stderr.write(result.traceback)
+        sys.stderr.flush()
+        from ..console import print_incident
+
+        for incident in result.diagnosed:  # why it raised: the bad value's origin
+            print_incident(incident)
     elif result.message:
         sys.stderr.write(result.message + "\n")
     sys.stderr.flush()

@@ -266,7 +266,7 @@ def _log_rule(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tens
     facts.update(arg_zeros=zeros, arg_negatives=neg, arg_min=float(x.min()))
     src_index = 1 if short in {"xlogy", "polygamma", "special_xlog1py"} else 0
     prod = _producer(ctx, args[src_index] if len(args) > src_index else None)
-    came = f", computed by {short_op(prod.op)}" if prod is not None and short_op(prod.op) not in {short} else ""
+    came = f", made by {short_op(prod.op).lstrip('_')}" if prod is not None and short_op(prod.op) not in {short} else ""
     if short == "log1p":
         return "log_nonpositive", f"{int(outside.sum())} argument(s) ≤ -1, min {ev.fmt(float(x.min()))}{came}", facts
     if short in {"lgamma", "digamma", "polygamma", "mvlgamma"}:
@@ -315,7 +315,7 @@ def _div_rule(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tens
                 "computed over is constant (or has one element), and no eps was added", facts)
     if stat is not None and stat[0] == "count":
         return "div_by_zero", f"the divisor is a count ({short_op(stat[1].op)} of a mask) that is 0: a mean over no element", facts
-    what = f", computed by {kind}" if kind else ""
+    what = f", made by {kind.lstrip('_')}" if kind else ""
     zero_over_zero = " (0/0)" if both else ""
     return "div_by_zero", f"{zeros} zeros in the denominator{zero_over_zero}{what}", facts
 

@@ -26,7 +26,7 @@ import torch
 
 from ..diagnosis.classify import Classification, classify, matrix_detail
 from ..diagnosis.patterns import explain, short_op
-from .loss_replay import replay_tape
+from .loss_replay import replay_step
 from .modules import ModuleStack
 from .origin import Origin, chain_summary, trace_back
 from .replay import replay_scope, run_unit
@@ -43,6 +43,7 @@ VALUE_CHECKS = re.compile(
     re.IGNORECASE)
 NOT_VALUES = re.compile(r"out of memory|size mismatch|shapes? .*cannot|must match|expected scalar type|dtype|"
                         r"on the same device|not implemented|unexpected keyword|missing \d+ required", re.IGNORECASE)
+DEVICE_ASSERT = re.compile(r"device-side assert", re.IGNORECASE)
 INDEX_OPS = {"embedding", "nll_loss_forward", "nll_loss2d_forward", "gather", "index_select", "index", "take",
              "scatter", "scatter_add", "index_add", "one_hot", "embedding_bag", "_embedding_bag"}
 
@@ -68,36 +69,32 @@ def diagnose_exception(guard: "Guard", incident: "Incident", capture: Any, exc: 
     tracer: OpTracer | None = None
     replay_error: BaseException | None = None
     externals = externals_of(guard, units)
+    model_start: OpRecord | None = None
     with replay_scope(guard):
-        for unit in units:
-            modules = ModuleStack(guard.root)
-            tracer = OpTracer(modules, externals)
-            try:
-                with modules, tracer:
-                    run_unit(guard, unit, backward=False)
-            except Exception as err:  # the replay raised again, as the real step did
-                replay_error = err
-            records.extend(tracer.records)
-            failure = failure or tracer.failure
-            if replay_error is not None:
-                break
-        if replay_error is None and tape is not None and tape.entries:
-            modules = ModuleStack(guard.root)
-            tracer = OpTracer(modules, externals)
-            with modules, tracer:
-                taped = replay_tape(tape, tracer, backward=False)
-            records.extend(tracer.records)
-            failure = failure or tracer.failure
-            replay_error = taped.error
+        modules = ModuleStack(guard.root)
+        tracer = OpTracer(modules, externals)
+        with modules, tracer:
+            if replayable:
+                result = _replay_units(guard, units)
+                replay_error, outputs_finite, observed = result
+            else:
+                step = replay_step(guard, units, tape, tracer, backward=False)
+                replay_error, outputs_finite, observed = step.error, step.model_outputs_finite, []
+        records.extend(tracer.records)
+        failure = tracer.failure
+        if not outputs_finite:  # the model's own outputs went bad before any check raised
+            model_start = next((r for r in tracer.records if r.phase == "forward" and r.out_nan), None)
     error = exc if exc is not None else replay_error
     if error is None:
         return False
     message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     incident.details["exception"] = message
     incident.transient = False if replay_error is not None or records else None
-    cls, origin = _from_evidence(failure, records, guard, param_modules(guard))
+    cls, origin = _from_evidence(failure, records, guard, param_modules(guard), model_start)
     if cls is None:
-        if not is_value_message(str(error)):
+        # no value evidence: only a torch op's own value check (or a CUDA assert, which cannot be
+        # replayed) makes it an incident; a Python error that mentions "range" or "nan" does not
+        if not is_value_message(str(error)) or (failure is None and not DEVICE_ASSERT.search(str(error))):
             return False
         cls = Classification("unknown", failure.op if failure else None, failure.module if failure else None,
                              failure.source if failure else None, failure.phase if failure else None,
@@ -118,8 +115,21 @@ def diagnose_exception(guard: "Guard", incident: "Incident", capture: Any, exc: 
     return True
 
 
+def _replay_units(guard: "Guard", units: list[Any]) -> tuple[BaseException | None, bool, list[Any]]:
+    """Replay ``guard.replayable`` calls (the loss is inside them) until one raises."""
+    finite = True
+    for unit in units:
+        try:
+            result = run_unit(guard, unit, backward=False)
+        except Exception as err:
+            return err, finite, []
+        finite = finite and result.forward_finite
+    return None, finite, []
+
+
 def _from_evidence(failure: FailedOp | None, records: list[OpRecord], guard: "Guard",
-                   modules_of: dict[str, str]) -> tuple[Classification | None, Origin | None]:
+                   modules_of: dict[str, str], model_start: OpRecord | None = None
+                   ) -> tuple[Classification | None, Origin | None]:
     bad_inputs = [ref for ref in (failure.inputs if failure else []) if ref.nan or ref.inf]
     if bad_inputs:  # a non-finite value reached a validating op: diagnose that value's origin
         ref = min(bad_inputs, key=lambda r: -1 if r.producer is None else r.producer.index)
@@ -133,8 +143,9 @@ def _from_evidence(failure: FailedOp | None, records: list[OpRecord], guard: "Gu
         if verdict is not None:
             return verdict, None
     created = [r for r in records if r.creates_nonfinite and not r.is_constant]
-    if created:  # NaN made before a check in Python code (torch.distributions) raised
-        origin = trace_back(created[-1]) if created[-1].out_nan else Origin(record=created[0], chain=[created[0]])
+    if model_start is not None or created:  # NaN made before a check in Python code (torch.distributions) raised
+        last = model_start or created[-1]
+        origin = trace_back(last) if last.out_nan else Origin(record=last, chain=[last])
         return classify(origin, observed_in="forward", low_precision_finite=None, param_modules=modules_of), origin
     return None, None
 

@@ -21,7 +21,7 @@ from ..diagnosis.classify import LOW_PRECISION, Classification, classify
 from ..diagnosis.patterns import explain
 from .modules import ModuleStack
 from .origin import Origin, chain_summary, trace_back
-from .loss_replay import replay_tape
+from .loss_replay import replay_step
 from .replay import float32_model, replay_scope, run_unit
 from .tracer import OpRecord, OpTracer
 
@@ -30,11 +30,21 @@ if TYPE_CHECKING:
     from ..incident import Incident
 
 
+class NotReplayable(Exception):
+    """The user's forward raised when re-run from the captured state; ``__cause__`` is its exception."""
+
+
 def localise_incident(guard: "Guard", incident: "Incident", capture: StepCapture) -> None:
     """Fill in ``incident`` from a replay of the step; never raises into the training loop."""
     start = time.perf_counter()
     try:
         _localise(guard, incident, capture)
+    except NotReplayable as exc:
+        cause = exc.__cause__
+        incident.details["not_replayable"] = f"{type(cause).__name__}: {cause}"
+        incident.summary = (f"{incident.summary} The step could not be replayed to name the origin: re-running the model "
+                            f"raised {type(cause).__name__}: {cause} (side effects, state changed since, or data-dependent "
+                            "control flow make the re-run differ from the real step).")
     except Exception as exc:  # a diagnosis that fails must not take the training run down, nor hide
         where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
         at = f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else ""
@@ -87,6 +97,7 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
     start: OpRecord | None = None
     origin: Origin | None = None
     failing_unit: Any = None
+    loss_error: str | None = None
     tracer: OpTracer | None = None
     finite32: bool | None = None
     tape = capture.tape if not replayable else None
@@ -96,9 +107,12 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
         for index, unit in enumerate(units):
             modules = ModuleStack(guard.root)
             tracer = OpTracer(modules, externals)
-            with modules, tracer:
-                result = run_unit(guard, unit)
-                tracer.flush()
+            try:
+                with modules, tracer:
+                    result = run_unit(guard, unit)
+                    tracer.flush()
+            except Exception as exc:  # the user's code raised on re-run: the step cannot be replayed
+                raise NotReplayable(exc) from exc
             if not result.forward_finite:
                 observed_in = "forward"
                 bad = [t for t in result.observed if not bool(torch.isfinite(t).all())]
@@ -117,21 +131,23 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
             break
         if observed_in in (None, "loss_function") and tape is not None and tape.usable \
                 and outputs_finite is not False:
-            # The model replays finite: the failure was born in the loss code. Replay the tape.
+            # The model replays finite: the failure was born in the loss code. Replay the whole step,
+            # forwards and loss tape in one graph, then its backward into the parameters.
             modules = ModuleStack(guard.root)
             tracer = OpTracer(modules, externals)
             with modules, tracer:
-                taped = replay_tape(tape, tracer)
+                taped = replay_step(guard, units, tape, tracer)
             incident.details["loss_code_replayed"] = len(tape.entries)
             if taped.error is not None:
-                incident.details["loss_code_error"] = f"{type(taped.error).__name__}: {taped.error}"
+                loss_error = f"{type(taped.error).__name__}: {taped.error}"
+                incident.details["loss_code_error"] = loss_error
             elif not taped.forward_finite and taped.loss is not None:
                 observed_in, failing_unit = "forward", tape
                 start = tracer.producer.get(taped.loss)
             elif taped.grads_finite is False:
                 observed_in, failing_unit = "backward", tape
                 start = next((r for r in tracer.records if r.phase == "backward"), None)
-        elif observed_in == "loss_function" and tape is not None and not replayable:
+        elif observed_in == "loss_function" and tape is not None:
             incident.details["loss_code"] = ("not replayable: " + ("more than the tape's limit of calls"
                                              if tape.truncated else "the loss code left no tape"))
         incident.details["ops_replayed"] = tracer.ops_seen if tracer is not None else 0
@@ -143,6 +159,9 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
             incident.details["float32_rerun_finite"] = finite32
 
     if observed_in is None:
+        if loss_error is not None or (tape is not None and tape.truncated):
+            _loss_code_not_replayed(incident, loss_error)
+            return
         if not replayable and incident.kind == "nonfinite_loss" and outputs_finite:
             _in_loss_function(incident)
             return
@@ -212,6 +231,16 @@ def _in_loss_function(incident: "Incident") -> None:
                         "finite again when the model is replayed): it arose in the loss computation outside the model.")
     incident.fix = ("Wrap the loss computation with guard.replayable(loss_fn) so nantrace can replay it "
                     "and name the op and line.")
+
+
+def _loss_code_not_replayed(incident: "Incident", error: str | None) -> None:
+    """The model replays finite but the loss code could not be replayed: say so, never "transient"."""
+    incident.transient = None
+    why = f"re-running it raised {error}" if error else "it issued more torch calls than the tape keeps"
+    incident.summary = (f"The model's forward replays finite at step {incident.step}, so the failure began in the loss "
+                        f"code outside the model, but the loss code could not be replayed ({why}).")
+    incident.fix = ("Wrap the loss computation with guard.replayable(loss_fn) so nantrace can replay it whole, or "
+                    "replay the bundle with `nantrace replay` to inspect the step.")
 
 
 def _not_reproduced(incident: "Incident", compiled: bool) -> None:

@@ -1,35 +1,48 @@
-"""Replay of the loss tape: the user's loss code re-issued on copies of what it received,
-under the op tracer, forward and then backward to the model's outputs.
+"""Replay of the whole step, loss code included, as one dataflow graph: the model's
+forward calls from their captured inputs, then the loss tape re-issued on the *replayed*
+outputs, then the backward of the replayed loss into the parameters.
 
-Copies of floating inputs that required grad (the model's outputs, parameters used in a
-regulariser) become fresh leaves, so the backward of the loss code is replayed exactly as
-far as the model's outputs and no ``.grad`` is touched.
+Because the loss code receives the replayed outputs (not copies), the op tracer follows a
+bad value from the model into the loss code and back: a NaN born in the model and rejected
+by a validating op in the loss is traced to the model; a gradient penalty that calls
+``torch.autograd.grad`` on a model input differentiates through the replayed forward as the
+real step did. Inputs of the loss code that came from elsewhere (targets, masks) are
+copied, so nothing the user holds is touched, and no ``.grad`` is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..capture import floating_tensors
 from ..loss_tape import LossTape, Ref, tensors_of
+from .replay import run_unit
 from .tracer import OpTracer
+
+if TYPE_CHECKING:
+    from ..guard import Guard
 
 
 @dataclasses.dataclass
-class TapeResult:
+class StepResult:
     loss: torch.Tensor | None
     forward_finite: bool
     grads_finite: bool | None
     error: BaseException | None = None
-    failed_at: int | None = None
-    """Index of the call that raised during the replay."""
+    """The exception the replay raised (the model's forward or a call of the loss code)."""
+    model_outputs_finite: bool = True
+    """Were the replayed model outputs finite (False: the bad value was born in the model)?"""
 
 
 class _Decoder:
-    def __init__(self) -> None:
+    def __init__(self, replaced: dict[int, torch.Tensor], shared: set[int]) -> None:
         self.values: list[list[torch.Tensor]] = []
+        self.replaced = replaced
+        self.shared = shared
         self.copies: dict[int, torch.Tensor] = {}
         self.leaves: list[torch.Tensor] = []
 
@@ -37,13 +50,18 @@ class _Decoder:
         if isinstance(obj, Ref):
             return self.values[obj.entry][obj.slot]
         if isinstance(obj, torch.Tensor):
-            copy = self.copies.get(id(obj))
+            key = id(obj)
+            if key in self.replaced:
+                return self.replaced[key]
+            if key in self.shared:  # a model input: the same object the replayed forward read
+                return obj
+            copy = self.copies.get(key)
             if copy is None:
                 copy = obj.detach().clone()
                 if obj.requires_grad and (copy.is_floating_point() or copy.is_complex()):
                     copy.requires_grad_(True)
                     self.leaves.append(copy)
-                self.copies[id(obj)] = copy
+                self.copies[key] = copy
             return copy
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self(v) for v in obj)
@@ -54,29 +72,54 @@ class _Decoder:
         return obj
 
 
-def replay_tape(tape: LossTape, tracer: OpTracer, *, backward: bool = True) -> TapeResult:
-    """Re-issue the tape's calls (inside the tracer and a module stack); then its backward."""
-    decode = _Decoder()
-    error: BaseException | None = None
-    failed_at = None
+def replay_step(guard: "Guard", units: list[Any], tape: LossTape | None, tracer: OpTracer, *,
+                backward: bool = True) -> StepResult:
+    """Replay the step's forwards and its loss tape in one graph (inside the tracer and a module stack)."""
+    replaced: dict[int, torch.Tensor] = {}
+    shared: set[int] = set()
+    outputs_finite = True
     with torch.enable_grad():
-        for index, entry in enumerate(tape.entries):
-            tracer.source_override = entry.source
+        for unit in units:
+            for t in floating_tensors((unit.args, unit.kwargs)):
+                shared.add(id(t))
             try:
-                out = entry.func(*decode(entry.args), **decode(entry.kwargs))
+                result = run_unit(guard, unit, backward=False)
             except Exception as exc:
-                error, failed_at = exc, index
-                break
-            finally:
-                tracer.source_override = None
-            decode.values.append(tensors_of(out))
+                return StepResult(None, False, None, exc, outputs_finite)
+            outputs_finite = outputs_finite and result.forward_finite
+            for ref, replayed in zip(getattr(unit, "outputs", []), result.observed):
+                real = ref()
+                if real is not None:
+                    replaced[id(real)] = replayed
         tracer.flush()
-    if error is not None or tape.loss is None:
-        return TapeResult(None, error is None, None, error, failed_at)
+        if tape is None or not tape.entries:
+            return StepResult(None, outputs_finite, None, None, outputs_finite)
+        decode = _Decoder(replaced, shared)
+        contexts = tape.autocast.contexts() if tape.autocast is not None else []
+        with contextlib.ExitStack() as stack:
+            for ctx in contexts:
+                stack.enter_context(ctx)
+            for entry in tape.entries:
+                tracer.source_override = entry.source
+                try:
+                    out = entry.func(*decode(entry.args), **decode(entry.kwargs))
+                except Exception as exc:
+                    return StepResult(None, False, None, exc, outputs_finite)
+                finally:
+                    tracer.source_override = None
+                decode.values.append(tensors_of(out))
+        tracer.flush()
+    if tape.loss is None:
+        return StepResult(None, outputs_finite, None, None, outputs_finite)
     loss = decode.values[tape.loss.entry][tape.loss.slot]
     if not bool(torch.isfinite(loss.detach()).all()):
-        return TapeResult(loss, False, None)
-    if not backward or not loss.requires_grad or not decode.leaves:
-        return TapeResult(loss, True, None)
-    grads = torch.autograd.grad(loss, decode.leaves, allow_unused=True)
-    return TapeResult(loss, True, all(bool(torch.isfinite(g).all()) for g in grads if g is not None))
+        return StepResult(loss, False, None, None, outputs_finite)
+    if not backward or not loss.requires_grad:
+        return StepResult(loss, True, None, None, outputs_finite)
+    leaves = [p for p in guard._params if p.requires_grad] + decode.leaves + [
+        t for unit in units for t in floating_tensors((unit.args, unit.kwargs)) if t.requires_grad and t.is_leaf]
+    if not leaves:
+        return StepResult(loss, True, None, None, outputs_finite)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return StepResult(loss, True, all(bool(torch.isfinite(g).all()) for g in grads if g is not None), None,
+                      outputs_finite)
