@@ -176,6 +176,7 @@ def verdict(run: Run, want: Want) -> dict[str, bool]:
         "module": inc is not None and inc.module == want.module,
         "phase": inc is not None and inc.phase == want.phase,
         "action": inc is not None and inc.action == want.action,
+        "transient": inc is not None and inc.transient is False,
         "protected": bool(run.unchanged) and all(run.unchanged.values()) and (want.step in run.unchanged),
     }
 
@@ -204,6 +205,8 @@ def check(run: Run, want: Want) -> Any:
         assert _source_line(inc.source, want.file) == origin_line(want.tag, want.file), (
             f"{inc.source} is not the '# <origin:{want.tag}>' line {origin_line(want.tag, want.file)} of {want.file}")
     assert inc.summary and inc.fix
+    # every program here fails deterministically: an identical re-run of the step reproduces it
+    assert inc.transient is False, f"transient={inc.transient}: {inc.summary}"
     # the blocked step did not change the weights
     assert run.unchanged.get(want.step) is True, run.unchanged
     return inc
@@ -650,6 +653,125 @@ def _rl_multinomial(tmp: Path) -> tuple[Run, Want]:
 
     return (train(policy, optimizer, _rl_batches(10, big_reward_step=None), reinforce),
             Want("exception", "forward", "aten.div.Tensor", None, "anneal_div", "div_by_zero", action="raised"))
+
+
+# PPO: the rollout re-evaluates the policy under no_grad (a second forward per step), the
+# update takes exp(new_logp - old_logp) without clamping the log-ratio. One stored action was
+# taken by an exploration override while the old policy gave it log-probability ~ -150.
+@case("ppo_ratio_exp_overflow_two_forwards")
+def _ppo(tmp: Path) -> tuple[Run, Want]:
+    torch.manual_seed(0)
+    policy = LogitPolicy()
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-4)
+    g = torch.Generator().manual_seed(13)
+    batches = []
+    for step in range(STEPS):
+        obs = torch.randn(8, 6, generator=g)
+        actions = torch.randint(0, 4, (8,), generator=g)
+        old_logp = -torch.rand(8, generator=g) * 2.0
+        advantages = torch.randn(8, generator=g)
+        if step == FAIL_STEP:
+            old_logp[6], advantages[6] = -150.0, -1.0
+        batches.append((obs, actions, old_logp, advantages))
+
+    def ppo_loss(m: nn.Module, batch: Any, step: int, clip: float = 0.2) -> torch.Tensor:
+        obs, actions, old_logp, advantages = batch
+        with torch.no_grad():  # value of the rollout's entropy for the logs, as PPO code does
+            entropy = torch.distributions.Categorical(logits=m(obs)).entropy().mean()
+        logp = F.log_softmax(m(obs), dim=-1).gather(1, actions[:, None]).squeeze(1)
+        ratio = torch.exp(logp - old_logp)  # <origin:ppo_ratio>
+        surr1 = ratio * advantages
+        surr2 = torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
+        return -torch.min(surr1, surr2).mean() - 0.0 * entropy
+
+    return train(policy, optimizer, batches, ppo_loss), Want("nonfinite_loss", "forward", "aten.exp.default", None,
+                                                             "ppo_ratio", "exp_overflow")
+
+
+# ==================================================================================
+# 5b. Gaussian-process regression: the exact marginal likelihood with a Cholesky of the
+#     kernel matrix. The noise is parametrised as exp(log_noise) with a tiny init; a batch
+#     with duplicated inputs makes K singular.
+# ==================================================================================
+class RBFKernelGP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_lengthscale = nn.Parameter(torch.tensor(0.0))
+        self.log_outputscale = nn.Parameter(torch.tensor(0.0))
+        self.log_noise = nn.Parameter(torch.tensor(-30.0))  # meant: a GreaterThan(1e-4) constraint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d2 = (x[:, None, :] - x[None, :, :]).pow(2).sum(-1)
+        k = self.log_outputscale.exp() * torch.exp(-0.5 * d2 / self.log_lengthscale.exp() ** 2)
+        return k + self.log_noise.exp() * torch.eye(x.size(0))
+
+
+def gp_nll(k: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    chol = torch.linalg.cholesky(k)  # <origin:gp_cholesky>
+    alpha = torch.cholesky_solve(y[:, None], chol)
+    return 0.5 * (y[None, :] @ alpha).squeeze() + torch.log(torch.diagonal(chol)).sum()
+
+
+@case("gp_cholesky_of_singular_kernel")
+def _gp(tmp: Path) -> tuple[Run, Want]:
+    torch.manual_seed(0)
+    model = RBFKernelGP()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(14)
+    batches = []
+    for step in range(STEPS):
+        x = torch.rand(12, 2, generator=g) * 4
+        if step == FAIL_STEP:
+            x[5:8] = x[4]  # the same site measured four times
+        batches.append((x, torch.sin(x).sum(-1)))
+    return (train(model, optimizer, batches, lambda m, b, i: gp_nll(m(b[0]), b[1])),
+            Want("exception", "forward", "aten.linalg_cholesky_ex.default", None, "gp_cholesky", "domain_error",
+                 action="raised"))
+
+
+# ==================================================================================
+# 5c. WGAN-GP: the critic's gradient penalty is computed in the loss code with
+#     torch.autograd.grad(create_graph=True); a ReLU critic is flat (gradient exactly 0) at
+#     interpolates far outside the data, and the hand-written norm sqrt(sum(g**2)) has an
+#     infinite derivative at 0.
+# ==================================================================================
+class Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+        with torch.no_grad():
+            self.net[0].bias.fill_(-1.0)  # units inactive around 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def wgan_gp_critic_loss(critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, eps: torch.Tensor,
+                        lambda_gp: float = 10.0) -> torch.Tensor:
+    interp = (eps * real + (1 - eps) * fake).requires_grad_(True)
+    out = critic(interp)
+    grads = torch.autograd.grad(out.sum(), interp, create_graph=True)[0]
+    grad_norm = torch.sqrt(torch.sum(grads**2, dim=1))  # <origin:gp_norm>
+    penalty = ((grad_norm - 1) ** 2).mean()
+    return critic(fake).mean() - critic(real).mean() + lambda_gp * penalty
+
+
+@case("wgan_gp_gradient_norm_at_zero")
+def _wgan(tmp: Path) -> tuple[Run, Want]:
+    torch.manual_seed(0)
+    critic = Critic()
+    optimizer = torch.optim.Adam(critic.parameters(), lr=1e-4, betas=(0.0, 0.9))
+    g = torch.Generator().manual_seed(15)
+    batches = []
+    for step in range(STEPS):
+        real = torch.randn(8, 4, generator=g) + 3.0
+        fake = torch.randn(8, 4, generator=g) + 3.0
+        eps = torch.rand(8, 1, generator=g)
+        if step == FAIL_STEP:
+            fake[2], eps[2] = 0.0, 0.0  # a collapsed generator sample at the origin, eps = 0
+        batches.append((real, fake, eps))
+    return (train(critic, optimizer, batches, lambda m, b, i: wgan_gp_critic_loss(m, *b)),
+            Want("nonfinite_grad", "backward", "aten.sqrt.default", None, "gp_norm", "grad_singularity"))
 
 
 # ==================================================================================
