@@ -834,6 +834,26 @@ def _fp16_vae() -> Setup:
     return Setup(model, _sgd(model, 1e-4), _batches(_vae_batch, lambda: _vae_batch(hot=True)), vae_loss)
 
 
+PROTOTYPES = torch.randn(4, 16) * 4
+
+
+def prototype_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    logits = model(x) @ PROTOTYPES.T  # <origin:proto_mm>
+    return F.cross_entropy(logits.float(), y)
+
+
+@scenario("fp16_scaler_prototype_matmul_in_loss",
+          Expected("nonfinite_loss", "forward", "aten.mm.default", None, "proto_mm", "precision_overflow"),
+          story="CPU autocast float16 with a GradScaler, zero-intrusive: the loss code's prototype product "
+                "overflows 65504 (the loss tape is noted at GradScaler.scale)")
+def _fp16_proto() -> Setup:
+    model = nn.Sequential(nn.Linear(8, 16))
+    batches = _batches(lambda: _xy(d=8), lambda: _xy(d=8, scale=3e4))
+    return Setup(model, _sgd(model), batches, prototype_loss, autocast=torch.float16,
+                 scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+
+
 def poisson_nll(model: nn.Module, batch: Any) -> torch.Tensor:
     x, y = batch
     rate = F.relu(model(x))

@@ -230,3 +230,33 @@ def test_an_error_inside_localisation_is_shown_stored_and_counted(tmp_path, monk
     with RunStore(tmp_path / "run", readonly=True) as store:  # logged in the run store with the incident
         [stored] = store.incidents()
     assert stored.details["localisation_error"] == inc.details["localisation_error"]
+
+
+# ------------------------------------------------------------------- an exception, replayed from its bundle
+class TokenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))  # <origin:token_embed>
+
+
+def test_an_exception_incident_replays_from_its_bundle_to_the_same_diagnosis(tmp_path):
+    torch.manual_seed(0)
+    model = TokenNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [torch.randint(0, 16, (2, 5)) for _ in range(3)] + [torch.tensor([[3, 4, 99, 1, 2]])]
+    guard = nantrace.watch(model, opt, run_dir=tmp_path / "run", config=nantrace.Config(print_incidents=False))
+    with pytest.raises(IndexError) as raised, guard:
+        for tokens in batches:
+            opt.zero_grad()
+            model(tokens).logsumexp(-1).mean().backward()
+            opt.step()
+    assert "index out of range" in str(raised.value)  # the user's exception, unchanged
+    [inc] = guard.incidents
+    assert where(inc) == ("exception", "forward", "aten.embedding.default", "embed", "label_out_of_range",
+                          origin_line("token_embed"))
+    again = nantrace.replay(inc.bundle, model=TokenNet())
+    assert where(again) == where(inc) and again.transient is False

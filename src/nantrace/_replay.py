@@ -116,7 +116,15 @@ def replay(bundle_dir: str | os.PathLike[str], model: nn.Module | str | None = N
             details={"replayed_from": str(bundle.path)},
         )
         capture = StepCapture(forwards=list(bundle.forwards))
-        localise_incident(guard, incident, capture)
+        if saved.kind == "exception":  # the step raised: replay it until it raises again
+            from .localisation.exceptions import diagnose_exception
+
+            incident.kind, incident.action = "exception", "raised"
+            if not diagnose_exception(guard, incident, capture, None):
+                incident.summary = (f"{saved.summary} (Replaying the bundle did not raise again: the exception came from "
+                                    "code the bundle does not hold, such as the loss code.)")
+        else:
+            localise_incident(guard, incident, capture)
     finally:
         guard.close()
     incident.bundle = str(bundle.path)

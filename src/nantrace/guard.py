@@ -277,13 +277,13 @@ class Guard:
     def _on_loss(self, loss: torch.Tensor) -> None:
         if self.closed or self._replaying:
             return
-        if self._tape is not None:
-            self._tape.note_loss(loss)
-            self._tape.pause()
         if self._capture.forwards or self._capture.calls:
             self._record_loss(loss)
 
     def _record_loss(self, loss: torch.Tensor) -> None:
+        if self._tape is not None:  # the loss code ends here (backward(), or GradScaler.scale)
+            self._tape.note_loss(loss)
+            self._tape.pause()
         if self.config.check_loss and not self._replaying:
             self._capture.losses.append(loss.detach())
 
