@@ -140,12 +140,13 @@ def build(scn: Scenario, seed: int = 0) -> Setup:
 
 
 def run(scn: Scenario, *, on_anomaly: str = "skip", config: nantrace.Config | None = None,
-        replayable: bool | None = None) -> Outcome:
+        replayable: bool | None = None, run_dir: Any = None) -> Outcome:
     """Train the scenario under ``nantrace.watch`` the way a user's loop would (``replayable``
     overrides the scenario's own choice of wrapping the loss in ``guard.replayable``)."""
     setup = build(scn)
     config = config or nantrace.Config(print_incidents=False)
-    guard = nantrace.watch(setup.model, setup.optimizer, setup.scaler, on_anomaly=on_anomaly, config=config)
+    guard = nantrace.watch(setup.model, setup.optimizer, setup.scaler, on_anomaly=on_anomaly, config=config,
+                           run_dir=run_dir)
     wrap = scn.replayable if replayable is None else replayable
     loss_fn = guard.replayable(setup.loss_fn) if wrap else setup.loss_fn
     unchanged: dict[int, bool] = {}

@@ -90,6 +90,21 @@ def test_zero_intrusive_gives_the_same_diagnosis(name: str) -> None:
     assert all(out.unchanged.values())
 
 
+@pytest.mark.parametrize("name", [n for n in REPLAYABLE if SCENARIOS[n].expected.op is not None])
+def test_a_zero_intrusive_bundle_replays_the_loss_code_to_the_same_diagnosis(name: str, tmp_path) -> None:
+    """The loss tape travels in the bundle: ``nantrace replay`` re-runs the loss code anywhere."""
+    import nantrace
+
+    out = run(SCENARIOS[name], replayable=False, run_dir=tmp_path / "run")
+    [inc] = [i for i in out.incidents if i.action != "logged"]
+    assert inc.bundle is not None and "bundle_tape" not in inc.details, inc.details.get("bundle_tape")
+    model = scenarios.build(SCENARIOS[name]).model
+    again = nantrace.replay(inc.bundle, model=getattr(model, "_orig_mod", model))
+    assert "localisation_error" not in again.details, again.details["localisation_error"]
+    assert (again.op, again.module, again.phase, again.cause, again.source) == (
+        inc.op, inc.module, inc.phase, inc.cause, inc.source), again.summary
+
+
 @pytest.mark.parametrize("name", HEALTHY)
 def test_legitimate_masks_are_never_reported(name: str) -> None:
     out = outcome(name)

@@ -20,6 +20,7 @@ import torch
 
 from ..capture import floating_tensors
 from ..loss_tape import LossTape, Ref, tensors_of
+from ..storage.tape_codec import OutputRef
 from .replay import run_unit
 from .tracer import OpTracer
 
@@ -39,8 +40,10 @@ class StepResult:
 
 
 class _Decoder:
-    def __init__(self, replaced: dict[int, torch.Tensor], shared: set[int]) -> None:
+    def __init__(self, replaced: dict[int, torch.Tensor], shared: set[int],
+                 unit_outputs: list[list[torch.Tensor]]) -> None:
         self.values: list[list[torch.Tensor]] = []
+        self.unit_outputs = unit_outputs
         self.replaced = replaced
         self.shared = shared
         self.copies: dict[int, torch.Tensor] = {}
@@ -49,6 +52,8 @@ class _Decoder:
     def __call__(self, obj: Any) -> Any:
         if isinstance(obj, Ref):
             return self.values[obj.entry][obj.slot]
+        if isinstance(obj, OutputRef):  # a tape restored from a bundle names the model's outputs by position
+            return self.unit_outputs[obj.unit][obj.index]
         if isinstance(obj, torch.Tensor):
             key = id(obj)
             if key in self.replaced:
@@ -77,6 +82,7 @@ def replay_step(guard: "Guard", units: list[Any], tape: LossTape | None, tracer:
     """Replay the step's forwards and its loss tape in one graph (inside the tracer and a module stack)."""
     replaced: dict[int, torch.Tensor] = {}
     shared: set[int] = set()
+    unit_outputs: list[list[torch.Tensor]] = []
     outputs_finite = True
     with torch.enable_grad():
         for unit in units:
@@ -87,6 +93,7 @@ def replay_step(guard: "Guard", units: list[Any], tape: LossTape | None, tracer:
             except Exception as exc:
                 return StepResult(None, False, None, exc, outputs_finite)
             outputs_finite = outputs_finite and result.forward_finite
+            unit_outputs.append(list(result.observed))
             for ref, replayed in zip(getattr(unit, "outputs", []), result.observed):
                 real = ref()
                 if real is not None:
@@ -94,7 +101,7 @@ def replay_step(guard: "Guard", units: list[Any], tape: LossTape | None, tracer:
         tracer.flush()
         if tape is None or not tape.entries:
             return StepResult(None, outputs_finite, None, None, outputs_finite)
-        decode = _Decoder(replaced, shared)
+        decode = _Decoder(replaced, shared, unit_outputs)
         contexts = tape.autocast.contexts() if tape.autocast is not None else []
         with contextlib.ExitStack() as stack:
             for ctx in contexts:

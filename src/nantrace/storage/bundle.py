@@ -23,6 +23,7 @@ import torch
 
 from ..capture import AutocastState, ForwardRecord, RngState, StepCapture
 from ..incident import Incident
+from .tape_codec import Unencodable, decode_tape, encode_tape
 
 if TYPE_CHECKING:
     from ..guard import Guard
@@ -91,7 +92,12 @@ def write_bundle(guard: "Guard", incident: Incident, capture: StepCapture) -> st
             }
             for f in capture.forwards
         ]
-        torch.save({"forwards": forwards, "losses": [l.detach().cpu() for l in capture.losses]}, tmp / "batch.pt")
+        tape, tape_note = _tape_data(capture)
+        if tape_note is not None:
+            incident.details["bundle_tape"] = tape_note
+        torch.save({"forwards": forwards, "losses": [l.detach().cpu() for l in capture.losses], "tape": tape,
+                    "outputs_finite": None if capture.outputs_ok is None else bool(capture.outputs_ok)},
+                   tmp / "batch.pt")
         env = {
             "format_version": FORMAT_VERSION,
             "nantrace_version": _version(),
@@ -142,6 +148,10 @@ class Bundle:
     env: dict[str, Any]
     state: dict[str, Any]
     forwards: list[ForwardRecord]
+    tape: Any = None
+    """The step's loss tape (:class:`~nantrace.loss_tape.LossTape`), when the bundle holds one."""
+    outputs_finite: bool | None = None
+    """Were the model's outputs finite in the real step (``None``: not recorded)."""
 
 
 def load_bundle(path: str | os.PathLike[str]) -> Bundle:
@@ -199,4 +209,22 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
                 output_grads=[(int(i), g) for i, g in f["output_grads"]],
             )
         )
-    return Bundle(path=p, incident=incident, env=env, state=state, forwards=forwards)
+    tape = None
+    if batch.get("tape"):
+        try:
+            tape = decode_tape(batch["tape"])
+        except (ImportError, AttributeError, KeyError, TypeError) as exc:
+            incident.details["bundle_tape"] = f"the loss code could not be restored: {type(exc).__name__}: {exc}"
+    return Bundle(path=p, incident=incident, env=env, state=state, forwards=forwards, tape=tape,
+                  outputs_finite=batch.get("outputs_finite"))
+
+
+def _tape_data(capture: StepCapture) -> tuple[dict[str, Any] | None, str | None]:
+    """The loss tape as bundle data, or why it is not in the bundle."""
+    tape = capture.tape
+    if tape is None or capture.calls or not tape.usable:
+        return None, None
+    try:
+        return encode_tape(tape, capture.forwards), None
+    except Unencodable as exc:
+        return None, f"the loss code is not in the bundle ({exc}); replay covers the model only"
