@@ -78,6 +78,8 @@ class LossTape(TorchFunctionMode):
         self.entries: list[Entry] = []
         self.truncated = False
         self.loss: Ref | None = None
+        self.losses: list[Ref] = []
+        """Every loss ``backward()`` was called on in the step (one per micro-batch under accumulation)."""
         self.failed: tuple[int, BaseException] | None = None
         """(index of the call that raised, the exception), when the loss code raised."""
         self._made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -128,6 +130,7 @@ class LossTape(TorchFunctionMode):
         self.entries = []
         self.truncated = False
         self.loss = None
+        self.losses = []
         self.failed = None
         self._made = WeakTensorKeyDictionary()
 
@@ -181,6 +184,8 @@ class LossTape(TorchFunctionMode):
         ref = self._made.get(loss)
         if ref is not None:
             self.loss = ref
+            if ref not in self.losses:
+                self.losses.append(ref)
 
     @property
     def usable(self) -> bool:

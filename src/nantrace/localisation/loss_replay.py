@@ -17,6 +17,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..capture import floating_tensors
 from ..loss_tape import LossTape, Ref, tensors_of
@@ -41,9 +42,12 @@ class StepResult:
 
 class _Decoder:
     def __init__(self, replaced: dict[int, torch.Tensor], shared: set[int],
-                 unit_outputs: list[list[torch.Tensor]]) -> None:
+                 unit_outputs: list[list[torch.Tensor]], externals: dict[int, str]) -> None:
         self.values: list[list[torch.Tensor]] = []
         self.unit_outputs = unit_outputs
+        self.externals = externals
+        """The tracer's names for tensors from outside the replayed ops: the loss code's own inputs
+        (targets, masks) are the batch's, so a NaN in them is ``nonfinite_input``."""
         self.replaced = replaced
         self.shared = shared
         self.copies: dict[int, torch.Tensor] = {}
@@ -58,15 +62,17 @@ class _Decoder:
             key = id(obj)
             if key in self.replaced:
                 return self.replaced[key]
-            if key in self.shared:  # a model input: the same object the replayed forward read
-                return obj
+            if key in self.shared or self.externals.get(key, "").startswith(("param:", "buffer:")):
+                return obj  # a model input or parameter: the same object the replayed forward read
             copy = self.copies.get(key)
             if copy is None:
-                copy = obj.detach().clone()
+                with _disable_current_modes():  # the copy is not an op of the step: keep it off the trace
+                    copy = obj.detach().clone()
                 if obj.requires_grad and (copy.is_floating_point() or copy.is_complex()):
                     copy.requires_grad_(True)
                     self.leaves.append(copy)
                 self.copies[key] = copy
+                self.externals[id(copy)] = "input"
             return copy
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self(v) for v in obj)
@@ -101,7 +107,7 @@ def replay_step(guard: "Guard", units: list[Any], tape: LossTape | None, tracer:
         tracer.flush()
         if tape is None or not tape.entries:
             return StepResult(None, outputs_finite, None, None, outputs_finite)
-        decode = _Decoder(replaced, shared, unit_outputs)
+        decode = _Decoder(replaced, shared, unit_outputs, tracer.externals)
         contexts = tape.autocast.contexts() if tape.autocast is not None else []
         with contextlib.ExitStack() as stack:
             for ctx in contexts:
@@ -116,11 +122,15 @@ def replay_step(guard: "Guard", units: list[Any], tape: LossTape | None, tracer:
                     tracer.source_override = None
                 decode.values.append(tensors_of(out))
         tracer.flush()
-    if tape.loss is None:
+    refs = tape.losses or ([tape.loss] if tape.loss is not None else [])
+    if not refs:
         return StepResult(None, outputs_finite, None, None, outputs_finite)
-    loss = decode.values[tape.loss.entry][tape.loss.slot]
-    if not bool(torch.isfinite(loss.detach()).all()):
-        return StepResult(loss, False, None, None, outputs_finite)
+    losses = [decode.values[r.entry][r.slot] for r in refs]
+    for loss in losses:  # gradient accumulation: each micro-batch's loss, in order
+        if not bool(torch.isfinite(loss.detach()).all()):
+            return StepResult(loss, False, None, None, outputs_finite)
+    loss = losses[0] if len(losses) == 1 else torch.stack([l.reshape(()) for l in losses if l.requires_grad]).sum() \
+        if any(l.requires_grad for l in losses) else losses[-1]
     if not backward or not loss.requires_grad:
         return StepResult(loss, True, None, None, outputs_finite)
     leaves = [p for p in guard._params if p.requires_grad] + decode.leaves + [

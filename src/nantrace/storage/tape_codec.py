@@ -149,6 +149,7 @@ def encode_tape(tape: LossTape, forwards: list[Any]) -> dict[str, Any]:
     entries = [{"func": function_name(e.func), "args": _encode(e.args, outputs), "kwargs": _encode(e.kwargs, outputs),
                 "source": e.source} for e in tape.entries]
     return {"entries": entries, "loss": [tape.loss.entry, tape.loss.slot],
+            "losses": [[r.entry, r.slot] for r in tape.losses],
             "autocast": tape.autocast.to_dict() if tape.autocast is not None else None}
 
 
@@ -160,6 +161,7 @@ def decode_tape(data: dict[str, Any]) -> LossTape:
         tape.entries.append(Entry(resolve(item["func"]), tuple(args) if isinstance(args, (list, tuple)) else (),
                                   _decode(item["kwargs"]) or {}, item.get("source")))
     tape.loss = Ref(*data["loss"])
+    tape.losses = [Ref(*r) for r in data.get("losses", [data["loss"]])]
     ac = data.get("autocast")
     if ac:
         tape.autocast = AutocastState(
