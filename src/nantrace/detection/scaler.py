@@ -56,10 +56,11 @@ class ScalerMonitor:
         self.max_drop = max_drop
         self.consecutive_skips = 0
         self.total_skips = 0
-        self.replays = 0
+        self.probes = 0
         self.level: float | None = None
-        """The scale of the last step the scaler did not skip (its level once found)."""
+        """The highest scale at which the scaler applied an update (its level, once found)."""
         self._collapsed = False
+        self._undecided = False
 
     @property
     def collapsed(self) -> bool:
@@ -72,7 +73,7 @@ class ScalerMonitor:
         if not skipped:
             self.consecutive_skips = 0
             self._collapsed = False
-            if scale is not None:
+            if scale is not None and (self.level is None or scale > self.level):
                 self.level = scale
             return None
         self.consecutive_skips += 1
@@ -84,9 +85,10 @@ class ScalerMonitor:
         replayed: bool | None = None
         if scale is not None and scale < self.min_scale:
             reason = f"the loss scale fell to {scale:g}, below the floor {self.min_scale:g}, and the gradients still overflow"
-        elif probe is not None and n & (n - 1) == 0:  # 1st, 2nd, 4th, 8th ... skip of a run
-            self.replays += 1
+        elif probe is not None and (n & (n - 1) == 0 or self._undecided):  # 1st, 2nd, 4th, 8th ... skip of a run
+            self.probes += 1
             finite = probe()
+            self._undecided = finite is None  # could not tell (e.g. an overflowed output gradient): ask again next skip
             if finite is False:
                 replayed = True
                 reason = (f"the step's gradients are non-finite even when it is replayed at scale 1 (the scale is "
@@ -103,14 +105,14 @@ class ScalerMonitor:
 
     def state_dict(self) -> dict[str, Any]:
         return {"consecutive_skips": self.consecutive_skips, "total_skips": self.total_skips, "level": self.level,
-                "collapsed": self._collapsed, "replays": self.replays}
+                "collapsed": self._collapsed, "probes": self.probes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive_skips = int(state["consecutive_skips"])
         self.total_skips = int(state["total_skips"])
         self.level = state["level"]
         self._collapsed = bool(state["collapsed"])
-        self.replays = int(state["replays"])
+        self.probes = int(state["probes"])
 
 
 def _f(x: float | None) -> float:
