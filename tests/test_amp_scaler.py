@@ -109,8 +109,11 @@ def test_calibration_from_any_init_scale_is_never_an_incident(exponent, quiet):
     assert monitor.probes <= monitor.total_skips
 
 
-@pytest.mark.parametrize("init_exponent, replayable", [(16, False), (40, False), (40, True)])
-def test_persistent_overflow_inside_the_model_is_called_at_its_first_skip(init_exponent, replayable, quiet):
+@pytest.mark.parametrize("init_exponent, replayable, origin_cause", [
+    (16, False, "precision_overflow"), (40, False, "precision_overflow"),
+    (40, True, "gradient_explosion"),  # the localiser's (classify's) own verdict when the loss is replayed too
+])
+def test_persistent_overflow_inside_the_model_is_called_at_its_first_skip(init_exponent, replayable, origin_cause, quiet):
     called_at = 30
     guard, scaler, error = _fp16_run(2.0**init_exponent, 50, config=quiet, collapse_at=30, replayable=replayable)
     first = guard.incidents[0]
@@ -118,7 +121,7 @@ def test_persistent_overflow_inside_the_model_is_called_at_its_first_skip(init_e
         called_at, "scaler_collapse", "scaler_collapse", "backward", "skipped")
     assert (first.op, first.module) == ("aten.mm.default", "0")
     assert [t["name"] for t in first.details["nonfinite_grads"]] == ["0.weight"]
-    assert first.details["replayed_at_scale_one"] == "non-finite" and first.details["origin_cause"] == "precision_overflow"
+    assert first.details["replayed_at_scale_one"] == "non-finite" and first.details["origin_cause"] == origin_cause
     assert "even when it is replayed at scale 1" in first.summary and "0.weight" in first.summary
     # the skips that follow are one episode, counted on its incident; the ladder pauses after the skip budget
     assert first.details["count"] == 5 and first.details["steps"] == list(range(called_at, called_at + 5))
