@@ -16,7 +16,8 @@ noise), and when they happen their total stays within the noise, or one heavy-ta
 value makes most of it (a spike, badly fitted by an exponential), or it does not exceed
 what the run has already seen. A gradient norm, on the other hand, legitimately grows
 for many steps early in training while the loss falls fast; so the gradient norm alone
-only counts when the loss is not falling over the same steps.
+counts only once the loss has a history and is not falling (at or above its recent median).
+When both grow, the cause is ``gradient_explosion`` if the norm began growing first.
 
 Once a divergence is flagged the detector stays in that state while the series remains
 above its pre-growth level by ``sqrt(min_factor)``: every such step is reported again
@@ -254,13 +255,15 @@ class DivergenceDetector:
         continuing = self._cause is not None
         if not continuing:
             if lg is not None:
-                self._cause = "loss_divergence"
-            elif gg is not None and self._loss_not_falling(gg):
+                grads_first = gg is not None and gg.since_step < lg.since_step
+                self._cause = "gradient_explosion" if grads_first else "loss_divergence"
+            elif gg is not None and self._loss_not_falling():
                 self._cause = "gradient_explosion"
             else:
                 self.grad._flagged_from = None  # the loss falls: an early-phase rise of the norm, not a divergence
                 return None
-        lead, other = (lg, gg) if (self._cause == "loss_divergence" and lg is not None) or gg is None else (gg, lg)
+        lead, other = (lg, gg) if (lg is not None and (self._cause == "loss_divergence" or gg is None)) else (gg, lg)
+        assert lead is not None
         return Divergence(cause=self._cause or "loss_divergence", growth=lead, other=other, continuing=continuing,
                           lr=lr if lr is not None and math.isfinite(lr) else None,
                           lr_at_start=self._lr_at(lead.since_step), lr_trend=self._lr_trend(),
@@ -277,10 +280,14 @@ class DivergenceDetector:
         return {"cause": self._cause, "series": tracker.series, "since_step": run[0][0], "start_value": run[0][1],
                 "last_value": run[-1][1], "factor": run[-1][1] / run[0][1]}
 
-    def _loss_not_falling(self, growth: Growth) -> bool:
-        now = self.loss.latest()
-        then = self.loss.value_at(growth.since_step)
-        return now is None or then is None or now >= then
+    def _loss_not_falling(self) -> bool:
+        """The gradient norm alone counts once the loss has a history (early in training the norm
+        legitimately grows for many steps) and when the loss is at or above its recent median."""
+        past = [v for _, v in self.loss._past] + [v for _, v in self.loss._run]
+        if len(past) < _NOISE_MIN_DIFFS:
+            return False
+        recent = sorted(past[-8:])
+        return past[-1] >= recent[len(recent) // 2]
 
     def _lr_at(self, step: int) -> float | None:
         for s, lr in reversed(self._lrs):
