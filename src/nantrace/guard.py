@@ -497,6 +497,7 @@ class Guard:
             self._write_bundle(incident)  # before any rollback: the bundle holds the failing step's own state
         if incident.action == "rolled_back" and not (self.rollback is not None and self.rollback.roll_back(incident)):
             incident.action = "paused"
+        self.ladder.annotate(incident)
         self._record(incident)
         if incident.action in ("raised", "paused"):
             self._finish_step(decision, raised=True)
@@ -639,6 +640,7 @@ class Guard:
             self._write_bundle(incident)
         if incident.action == "rolled_back" and not (self.rollback is not None and self.rollback.roll_back(incident)):
             incident.action = "paused"
+        self.ladder.annotate(incident)
         self._record(incident)
         if incident.action in ("raised", "paused"):
             raise NonFiniteError(incident)

@@ -184,11 +184,18 @@ class EscalationLadder:
             info["why_pause"] = (f"{episode.rollbacks} rollback(s) of this episode did not get past it "
                                  f"(Config.rollback_max_retries = {self.max_rollbacks})" if episode is not None and episode.rollbacks
                                  else "no last-good snapshot to roll back to (on_anomaly='rollback' or Config.skip_snapshots keeps them)")
-        incident.details["escalation"] = info
         verb = "rolled back to the last good snapshot" if action == "rolled_back" else "paused"
         since = f" of the episode that began at step {episode.start}" if episode is not None else ""
-        incident.summary = f"Escalated after {reason}{since}: nantrace {verb}. {incident.summary}"
+        info["note"] = f"Escalated after {reason}{since}: nantrace {verb}."
+        incident.details["escalation"] = info
         self._open(incident)
+
+    @staticmethod
+    def annotate(incident: "Incident") -> None:
+        """Put an escalation's note in front of the summary (after localisation has written it)."""
+        note = incident.details.get("escalation", {}).get("note")
+        if note and not incident.summary.startswith(note):
+            incident.summary = f"{note} {incident.summary}"
 
     def _rolled_back(self) -> None:
         """A restored state starts a fresh skip count; the episode remembers the rollback."""
@@ -216,9 +223,9 @@ class EscalationLadder:
         incident.action = "paused"
         info: dict[str, Any] = {"from": "rolled_back", "to": "paused", "reason": reason, "why_pause": why}
         info.update(episode.summary())
+        info["note"] = (f"Escalated after {episode.rollbacks} rollback(s) of the episode that began at step "
+                        f"{episode.start}: nantrace paused.")
         incident.details["escalation"] = info
-        incident.summary = (f"Escalated after {episode.rollbacks} rollback(s) of the episode that began at step "
-                            f"{episode.start}: nantrace paused. {incident.summary}")
         self._open(incident)
         return False
 
