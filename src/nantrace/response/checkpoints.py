@@ -9,8 +9,9 @@ once when a run starts from corrupted ones.
   incident (``details["checkpoint"] = "refused"``), so a checkpoint rotation never deletes a
   good file to make room for a bad one (Megatron-LM #5281).
 - :meth:`CheckpointGate.loaded_state_finding` runs once, at the first step: a model loaded
-  with non-finite tensors (parameters, frozen ones and buffers included) is reported naming
-  them, and the checkpoint file when an integration knows it (``loaded_from``).
+  with non-finite tensors (parameters, frozen ones and buffers included; looked at when
+  ``watch()`` is called, before a forward can spread them into other buffers) is reported
+  naming them, and the checkpoint file when an integration knows it (``loaded_from``).
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ class CheckpointGate:
         self.reason: str | None = None
         """Why the last :meth:`verdict` said no (``None`` when it said yes)."""
         self._checked_load = False
+        self._at_watch = nonfinite_state(guard.root)
+        """Tensors already non-finite when ``watch()`` was called (before any forward could spread them)."""
         self._cache: tuple[int, bool, str | None, list[dict[str, object]]] | None = None
-        self._refused_at: set[tuple[int, str]] = set()
+        self._refused_at: set[int] = set()
 
     @property
     def guard(self) -> "Guard":
@@ -107,9 +110,8 @@ class CheckpointGate:
             return False
         guard = self.guard
         assert self._cache is not None and self.reason is not None
-        key = (guard.step, where)
-        if key not in self._refused_at:  # one warning and one incident per save point and step
-            self._refused_at.add(key)
+        if guard.step not in self._refused_at:  # one warning and one incident per step (topk and last alike)
+            self._refused_at.add(guard.step)
             message = f"nantrace refused to save a checkpoint{f' to {path}' if path else ''} ({where}): {self.reason}."
             warnings.warn(message, CheckpointRefusedWarning, stacklevel=3)
             guard._record(self._incident(where, path, self._cache[3]))
@@ -139,11 +141,12 @@ class CheckpointGate:
 
     # ------------------------------------------------------------ loading
     def loaded_state_finding(self, step: int) -> "Finding | None":
-        """Once, at the first step: the model's tensors that were already non-finite, named."""
+        """Once, at the first step: the model's tensors that were already non-finite, named (as found
+        at ``watch()``, or at this step when the framework loaded the weights after it)."""
         if self._checked_load:
             return None
         self._checked_load = True
-        bad = nonfinite_state(self.guard.root)
+        bad = self._at_watch or nonfinite_state(self.guard.root)
         if not bad:
             return None
         from ..diagnosis.triage import Finding
