@@ -492,6 +492,8 @@ class Guard:
             if note:
                 incident.details["precision_fallback"] = note
                 incident.fix = f"{incident.fix} (Done: {note}.)"
+        if self.ladder.settle(incident, decision):  # localised: the same origin as the episode's incident
+            return
         if not self.sharded and (incident.action in ("paused", "rolled_back") or (
                 self.config.save_bundle and self.store is not None and incident.kind.startswith("nonfinite"))):
             self._write_bundle(incident)  # before any rollback: the bundle holds the failing step's own state
@@ -636,6 +638,7 @@ class Guard:
             from .detection.scaler import name_collapse_origin
 
             name_collapse_origin(self, incident, self._capture, decision.health.scale)
+        self.ladder.settle(incident, decision)  # a collapse is never a repeat here: it opens or heads its episode
         if incident.action in ("paused", "rolled_back"):
             self._write_bundle(incident)
         if incident.action == "rolled_back" and not (self.rollback is not None and self.rollback.roll_back(incident)):

@@ -9,7 +9,8 @@ once when a run starts from corrupted ones.
   incident (``details["checkpoint"] = "refused"``), so a checkpoint rotation never deletes a
   good file to make room for a bad one (Megatron-LM #5281).
 - :meth:`CheckpointGate.loaded_state_finding` runs once, at the first step: a model loaded
-  with non-finite tensors (parameters, frozen ones and buffers included; looked at when
+  with non-finite tensors (parameters, frozen ones included, and buffers holding NaN: a buffer's
+  infinities may be a mask; looked at when
   ``watch()`` is called, before a forward can spread them into other buffers) is reported
   naming them, and the checkpoint file when an integration knows it (``loaded_from``).
 """
@@ -37,21 +38,25 @@ class CheckpointRefusedWarning(UserWarning):
     """nantrace refused to save a checkpoint (non-finite weights or an unresolved episode)."""
 
 
-def _state(root: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    named = [(n, p) for n, p in root.named_parameters()] + [(n, b) for n, b in root.named_buffers()]
-    return [(n, t.detach()) for n, t in named if t.is_floating_point() or t.is_complex()]
-
-
 def nonfinite_state(root: torch.nn.Module) -> list[dict[str, object]]:
-    """Every parameter and buffer of ``root`` holding NaN/Inf, with counts (empty when all are finite).
+    """Every parameter of ``root`` holding NaN/Inf, and every buffer holding NaN, with counts
+    (empty when there is none). Buffers may hold infinities on purpose (a ``-inf`` causal mask),
+    so only a NaN in a buffer counts.
 
-    One fused finiteness flag and one host read; the per-tensor counts only when it fails.
+    One fused flag and one host read; the per-tensor counts only when it fails.
     """
-    named = _state(root)
-    flag = all_finite([t.to_local() if hasattr(t, "to_local") else t for _, t in named if not t.is_complex()])
-    if flag is not None and bool(flag) and not any(t.is_complex() for _, t in named):
+    params = [(n, p.detach()) for n, p in root.named_parameters() if p.is_floating_point()]
+    buffers = [(n, b.detach()) for n, b in root.named_buffers() if b.is_floating_point()]
+    flags = [all_finite([_local(p) for _, p in params])] if params else []
+    flags += [~torch.isnan(_local(b)).any() for _, b in buffers if b.numel()]
+    flags = [f for f in flags if f is not None]
+    if not flags or bool(torch.stack([f.to(flags[0].device) for f in flags]).all()):
         return []
-    return nonfinite_tensors(named)
+    return nonfinite_tensors(params) + [b for b in nonfinite_tensors(buffers) if b["nan"]]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _describe(bad: list[dict[str, object]], limit: int = 4) -> str:

@@ -12,9 +12,11 @@ run behind a healthy-looking loop (torchtitan #916). So incidents are grouped in
 - An episode opens with the first incident of the guard's step check (a blocked update, a
   finite anomaly that was only logged, a ``scaler_collapse``) and ends after
   ``Config.episode_gap`` consecutive steps without one.
-- A later incident of the open episode *joins* it when it has the same kind as the episode's
-  latest recorded incident, or when it blocks an update right after a blocked one
-  (consecutive skipped updates): it is not printed or stored as a new incident; the recorded one is updated
+- A later incident of the open episode *joins* it when it blocks an update right after a
+  blocked one (consecutive skipped updates), when it is a finite anomaly or collapse of the
+  episode's own kind, or, once localised, when it has the same origin (kind, cause, op and
+  module) as the episode's latest recorded incident, and nothing new came of it (a precision
+  fallback is recorded). A joining incident is not printed or stored as a new one; the recorded one is updated
   (``details["count"]``, ``details["steps"]``, ``details["last_step"]``) in place and in the
   run store. Its update is blocked all the same.
 - The skip budget: ``skip_budget`` consecutive skipped updates, or ``skip_window_budget``
@@ -47,8 +49,17 @@ _FAMILY = {"loss_spike": "divergence", "grad_explosion": "divergence"}
 """Kinds that are one origin for grouping: a divergence shows as either, often both in turn."""
 
 
+_UNLOCALISED = ("loss_spike", "grad_explosion", "scaler_collapse")
+"""Kinds whose origin is known before localisation (finite anomalies, a collapse continuing)."""
+
+
 def _origin(incident: "Incident") -> str:
     return _FAMILY.get(incident.kind, incident.kind)
+
+
+def _same_origin(a: "Incident", b: "Incident") -> bool:
+    """Same kind (family), cause, op and module: after localisation, the same failure again."""
+    return _origin(a) == _origin(b) and (a.cause, a.op, a.module) == (b.cause, b.op, b.module)
 
 _MAX_STEPS_KEPT = 256
 """An episode's incident lists at most this many steps (``details["steps"]``); the count goes on."""
@@ -109,19 +120,21 @@ class EscalationLadder:
 
     # ------------------------------------------------------------ decisions
     def absorb(self, incident: "Incident", decision: Any) -> bool:
-        """Place ``incident`` (not recorded yet) in its episode.
+        """First look at ``incident`` (not recorded, not localised yet).
 
-        Returns True when it joined the open episode: the recorded incident was updated (and,
-        under rollback, the state restored again) and nothing else is to be done with this one
-        (its update stays blocked). Returns False when the caller must report it as a new
-        incident; its ``action`` may have been raised to ``rolled_back`` or ``paused`` (an
-        escalation), in which case the caller performs it.
+        Returns True when it joined the open episode already: it blocks an update right after a
+        blocked one, or it is a finite anomaly (or a collapse) of the episode's own kind. The
+        recorded incident was updated (and, under rollback, the state restored again); nothing
+        else is to be done with this one (its update stays blocked). Otherwise returns False;
+        the incident's ``action`` may have been raised to ``rolled_back`` or ``paused`` (an
+        escalation), and the caller localises it and then calls :meth:`settle`.
         """
         if incident.action in ("raised", "paused"):
             return False  # the policy stops the run at once: nothing to group or escalate
         episode = self.episode
-        joins = episode is not None and (_origin(incident) == _origin(episode.latest) or
-                                         (self._blocked_last and incident.action != "logged"))
+        joins = episode is not None and (
+            (self._blocked_last and incident.action != "logged") or
+            (_origin(incident) == _origin(episode.latest) and incident.kind in _UNLOCALISED))
         if incident.action == "skipped" and self._budget_spent():
             reason = self._reason()
             if self._can_roll_back(episode):
@@ -133,13 +146,33 @@ class EscalationLadder:
                 self._escalate(incident, "paused", reason)
             return False
         if episode is None or not joins:
-            self._open(incident)
             return False
         if incident.action == "rolled_back":
             return self._rejoin_with_rollback(episode, incident, decision, "the episode recurred")
         self._count(episode, incident)
         decision.incident = episode.latest
         return True
+
+    def settle(self, incident: "Incident", decision: Any) -> bool:
+        """After localisation: a repeat of the episode's latest incident (same kind, cause, op and
+        module) joins it; anything else becomes the episode's new recorded incident. True when joined.
+
+        A repeat that made something new happen (a precision fallback) is recorded, not joined.
+        """
+        episode = self.episode
+        if incident.action == "raised" or (incident.action == "paused" and "escalation" not in incident.details):
+            return False
+        if episode is not None and incident is episode.latest:
+            return False  # an escalation: already the episode's head
+        if (episode is not None and "escalation" not in incident.details and "precision_fallback" not in incident.details
+                and _same_origin(incident, episode.latest)):
+            if incident.action == "rolled_back":
+                return self._rejoin_with_rollback(episode, incident, decision, "the episode recurred")
+            self._count(episode, incident)
+            decision.incident = episode.latest
+            return True
+        self._open(incident)
+        return False
 
     def _open(self, incident: "Incident") -> None:
         """Record ``incident`` as the episode's new head (opening the episode if none is open)."""
