@@ -38,12 +38,14 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
                            config=nantrace.Config(print_incidents=False))
     gen = torch.Generator().manual_seed(100 + rank)
     w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
-    steps = 60 if scenario == "loss_spike_rank1" else 8
-    raised = None
+    steps = {"loss_spike_rank1": 60, "broken_rank1": 20}.get(scenario, 8)
+    raised = raised_step = None
     for step in range(steps):
         x = torch.randn(16, 8, generator=gen)
         y = x @ w + 0.1 * torch.randn(16, 1, generator=gen)
         if rank == 1 and step == 3 and scenario in ("nan_input_rank1", "fsdp_nan_input_rank1", "rewatch_nan_rank1"):
+            x[2, 5] = float("nan")
+        if rank == 1 and step >= 3 and scenario == "broken_rank1":  # rank 1's data stays broken: the ladder escalates
             x[2, 5] = float("nan")
         if rank == 1 and step == 45 and scenario == "loss_spike_rank1":
             y = y * 100
@@ -53,6 +55,7 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
             opt.step()
         except nantrace.NonFiniteError as exc:
             raised = exc.incident.kind
+            raised_step = exc.incident.step
             break
     layer_norms_match = None
     layers = next((m for m in guard.monitors if type(m).__name__ == "LayerStatsMonitor"), None)
@@ -71,6 +74,8 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
         "finite": bool(torch.isfinite(flat).all()),
         "steps": guard.step,
         "raised": raised,
+        "raised_step": raised_step,
+        "counts": [i.details.get("count") for i in guard.incidents],
         "local_grad_check": guard.checks_local_grads,
         "run_dir": guard.run_dir,
         "sharded": guard.sharded,

@@ -80,6 +80,21 @@ def test_a_local_loss_spike_on_one_rank_makes_every_rank_skip(tmp_path):
     assert all(r["replicas_equal"] for r in results)
 
 
+@pytest.mark.parametrize("policy, actions, counts", [
+    ("skip", ["skipped", "paused"], [5, 1]),           # 5 skipped updates in a row, then pause
+    ("rollback", ["rolled_back", "paused"], [3, 1]),   # 3 rollbacks (rollback_max_retries), then pause
+])
+def test_the_escalation_ladder_escalates_on_every_rank_at_the_same_step(tmp_path, policy, actions, counts):
+    """Rank 1's data stays broken from step 3: both ranks count one episode and pause together."""
+    results = _torchrun(tmp_path, "broken_rank1", policy=policy)
+    for res in results:
+        assert [i[3] for i in res["incidents"]] == actions and res["counts"] == counts
+        assert res["incidents"][0][0] == 3 and res["incidents"][0][2] == 1  # traced to rank 1 on both ranks
+    assert [r["raised_step"] for r in results] == [3 + sum(counts) - 1] * 2
+    assert [r["raised"] for r in results] == ["nonfinite_grad", "nonfinite_input"]
+    assert all(r["replicas_equal"] and r["finite"] for r in results)
+
+
 def test_raise_policy_raises_on_every_rank_without_hanging(tmp_path):
     results = _torchrun(tmp_path, "nan_input_rank1", policy="raise")
     assert [r["raised"] for r in results] == ["nonfinite_grad", "nonfinite_input"]

@@ -74,7 +74,9 @@ def test_repeated_failure_escalates_to_pause_after_bounded_retries(tmp_path):
             opt.step()
             actions.append(guard.incidents[-1].action if guard.incidents and guard.incidents[-1].step == step else None)
     guard.close()
-    assert [i.action for i in guard.incidents] == ["rolled_back", "rolled_back", "paused"]
+    # one episode: the second rollback is counted on the first incident (escalation ladder), then the pause
+    assert [(i.action, i.details["count"]) for i in guard.incidents] == [("rolled_back", 2), ("paused", 1)]
+    assert guard.incidents[0].details["rollbacks"] == 2 and guard.incidents[0].details["steps"] == [6, 7]
     assert info.value.incident.action == "paused" and info.value.incident.bundle is not None
     assert "escalated to pause" in info.value.incident.details["rollback"]
 

@@ -52,14 +52,32 @@ class Config:
     explosion_min_ratio: float = 5.0
     """A gradient explosion must also exceed the rolling median norm by this factor."""
 
+    detect_divergence: bool = True
+    """Report a diverging run from its first steps, judged by the *rate* at which the loss (or the
+    gradient norm, when the loss is not falling) grows: consecutive multiplicative growth fitted by
+    an exponential, with no history needed (``loss_spike``/``grad_explosion`` with cause
+    ``loss_divergence``/``gradient_explosion``); see docs/escalation.md."""
+
+    divergence_steps: int = 4
+    """Increases in a row that make a divergence (one fewer when the growth is ``divergence_factor**3`` or more)."""
+
+    divergence_factor: float = 4.0
+    """A divergence must have grown at least this factor over those steps."""
+
     finite_anomaly_action: str = "policy"
     """``"policy"``: finite anomalies (spikes, explosions) follow ``on_anomaly``; ``"log"``: only report them."""
 
     scaler_max_skips: int = 20
-    """Consecutive GradScaler-skipped steps after which ``scaler_collapse`` is reported."""
+    """Consecutive GradScaler-skipped steps, *after* the scaler has found its level (trained at some
+    scale), after which ``scaler_collapse`` is reported. The calibration from any ``init_scale``
+    never counts; a skip whose gradients overflow even when the step is replayed at scale 1 is a
+    collapse at once."""
 
     scaler_min_scale: float = 1.0
     """A GradScaler scale below this floor is reported as ``scaler_collapse``."""
+
+    scaler_max_drop: float = 1024.0
+    """A scale this many times below the level the scaler had found is reported as ``scaler_collapse``."""
 
     localise: bool = True
     """Replay the failing step under op-level instrumentation to find the origin op."""
@@ -100,6 +118,28 @@ class Config:
 
     rollback_max_retries: int = 3
     """Rollbacks in a row (each within ``rollback_interval`` steps of the last) before escalating to ``pause``."""
+
+    skip_budget: int = 5
+    """The escalation ladder (docs/escalation.md): after this many consecutive skipped updates of one
+    episode the guard escalates: it rolls back to the last good snapshot when there is one, and
+    pauses (bundle, then ``NonFiniteError``) when there is none or rollbacks repeat. 0 = never
+    escalate (skip forever; a warning says so at ``watch()``)."""
+
+    skip_window: int = 100
+    """The window of steps over which ``skip_window_budget`` counts skipped updates."""
+
+    skip_window_budget: int = 10
+    """At most this many skipped updates in any ``skip_window`` steps before the guard escalates
+    (catches an episode whose skips are not consecutive)."""
+
+    episode_gap: int = 20
+    """An episode ends after this many consecutive healthy steps; until then repeated incidents
+    update its one incident (``details["count"]``, ``details["steps"]``) instead of adding new ones,
+    and a checkpoint is not safe (``guard.checkpoint_ok()``)."""
+
+    skip_snapshots: bool = False
+    """With ``on_anomaly="skip"``, also keep last-good snapshots (as ``rollback`` does, every
+    ``rollback_interval`` healthy steps) so that an exhausted skip budget rolls back before it pauses."""
 
     precision_fallback_after: int = 3
     """After this many ``precision_overflow`` incidents in one module, run it in float32 outside
@@ -173,6 +213,11 @@ class Config:
         _positive_int(self, "rollback_interval", minimum=1)
         _positive_int(self, "rollback_keep", minimum=1)
         _positive_int(self, "rollback_max_retries", minimum=0)
+        _positive_int(self, "divergence_steps", minimum=2)
+        _positive_int(self, "skip_budget", minimum=0)
+        _positive_int(self, "skip_window", minimum=1)
+        _positive_int(self, "skip_window_budget", minimum=1)
+        _positive_int(self, "episode_gap", minimum=1)
         if self.rollback_where not in ("memory", "disk"):
             raise ValueError(f"Config.rollback_where must be 'memory' or 'disk', got {self.rollback_where!r}")
         if self.spike_warmup > self.spike_window:
@@ -180,7 +225,10 @@ class Config:
                 f"Config.spike_warmup ({self.spike_warmup}) must not exceed "
                 f"Config.spike_window ({self.spike_window})"
             )
-        for name in ("spike_sigma", "loss_spike_min_ratio", "explosion_min_ratio"):
+        if self.skip_window_budget > self.skip_window:
+            raise ValueError(f"Config.skip_window_budget ({self.skip_window_budget}) must not exceed "
+                             f"Config.skip_window ({self.skip_window})")
+        for name in ("spike_sigma", "loss_spike_min_ratio", "explosion_min_ratio", "divergence_factor", "scaler_max_drop"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 1.0 - 1e-12:
                 raise ValueError(f"Config.{name} must be a number >= 1, got {value!r}")
@@ -230,6 +278,7 @@ class Config:
                 check_outputs=False,
                 detect_loss_spikes=False,
                 detect_grad_explosion=False,
+                detect_divergence=False,
                 snapshot_buffers=False,
                 keep_output_grads=False,
                 flight_recorder=8,

@@ -46,7 +46,8 @@ from .capture import (
     floating_tensors,
 )
 from .config import Config
-from .detection.scaler import ScalerMonitor
+from .detection.divergence import DivergenceDetector
+from .detection.scaler import ScalerMonitor, collapse_fields, replay_at_scale_one
 from .detection.sentinel import StepHealth, measure, nonfinite_tensors
 from .detection.spikes import RobustSpikeDetector
 from .diagnosis.triage import Finding, triage
@@ -56,6 +57,8 @@ from .distributed import Agreement, agree, install_local_grad_check, world
 from .errors import NonFiniteError
 from .incident import Incident
 from .loss_tape import LossTape
+from .response.checkpoints import CheckpointGate
+from .response.escalation import EscalationLadder
 from .response.policies import action_for
 from .response.precision import PrecisionFallback
 from .response.rollback_policy import RollbackPolicy
@@ -138,7 +141,11 @@ class Guard:
         self._last_row: dict[str, Any] | None = None
         self.monitors: list[Monitor] = []
         self.precision = PrecisionFallback(self.root, config.precision_fallback_after)
-        self.rollback = RollbackPolicy(self) if on_anomaly == "rollback" and optimizer is not None else None
+        self.rollback = RollbackPolicy(self) if optimizer is not None and (
+            on_anomaly == "rollback" or (on_anomaly == "skip" and config.skip_snapshots)) else None
+        self.ladder = EscalationLadder(self)
+        self.checkpoints = CheckpointGate(self)
+        self._divergence = DivergenceDetector(min_steps=config.divergence_steps, min_factor=config.divergence_factor)
         self._owner_thread = threading.get_ident()
         self._recorder: deque[dict[str, Any]] = deque(maxlen=config.flight_recorder)
         self._loss_spikes = RobustSpikeDetector(
@@ -149,7 +156,8 @@ class Guard:
             window=config.spike_window, warmup=config.spike_warmup,
             sigma=config.spike_sigma, min_ratio=config.explosion_min_ratio,
         )
-        self._scaler_monitor = ScalerMonitor(max_skips=config.scaler_max_skips, min_scale=config.scaler_min_scale)
+        self._scaler_monitor = ScalerMonitor(max_skips=config.scaler_max_skips, min_scale=config.scaler_min_scale,
+                                             max_drop=config.scaler_max_drop)
 
         names = {id(p): n for n, p in self.root.named_parameters()}
         params = self._optimizer_params() if optimizer is not None else [p for p in self.root.parameters()]
@@ -404,13 +412,15 @@ class Guard:
         if self.sharded and self.world_size > 1:
             _combine_shards(health, grad_index=grad_index, n_params=len(self._params),
                             device=grads[0].device if grads else torch.device("cpu"))
-        finding = triage(
+        finding = self.checkpoints.loaded_state_finding(self.step) or triage(
             health,
             step=self.step,
             scaler_active=via_scaler,
             loss_spikes=self._loss_spikes if self.config.detect_loss_spikes else None,
             grad_spikes=self._grad_spikes if self.config.detect_grad_explosion else None,
             last_applied=self._last_applied,
+            divergence=self._divergence if self.config.detect_divergence else None,
+            lr=next(iter(self._lrs()), None),
         )
         agreement = None
         if self.world_size > 1:
@@ -491,6 +501,8 @@ class Guard:
 
     def _report(self, incident: Incident, decision: _Decision) -> None:
         """Localise (when enabled), keep, store and print the incident; raise if the policy says so."""
+        if self.ladder.absorb(incident, decision):  # a repeat of the open episode, counted on its incident
+            return
         origins = incident.details.get("origin_ranks")
         here = origins is None or self.rank in origins
         if self.sharded:
@@ -506,11 +518,14 @@ class Guard:
             if note:
                 incident.details["precision_fallback"] = note
                 incident.fix = f"{incident.fix} (Done: {note}.)"
+        if self.ladder.settle(incident, decision):  # localised: the same origin as the episode's incident
+            return
         if not self.sharded and (incident.action in ("paused", "rolled_back") or (
                 self.config.save_bundle and self.store is not None and incident.kind.startswith("nonfinite"))):
             self._write_bundle(incident)  # before any rollback: the bundle holds the failing step's own state
         if incident.action == "rolled_back" and not (self.rollback is not None and self.rollback.roll_back(incident)):
             incident.action = "paused"
+        self.ladder.annotate(incident)
         self._record(incident)
         if incident.action in ("raised", "paused"):
             self._finish_step(decision, raised=True)
@@ -609,9 +624,13 @@ class Guard:
         skipped = decision.block or decision.scaler_skip or raised
         if decision.incident is None or decision.incident.kind not in ("nonfinite_param", "optimizer_state"):
             if self.scaler is not None:
-                collapse = self._scaler_monitor.update(skipped=decision.scaler_skip, scale=health.scale)
+                collapse = self._scaler_monitor.update(
+                    skipped=decision.scaler_skip, scale=health.scale,
+                    probe=functools.partial(replay_at_scale_one, self, self._capture, health.scale) if self.config.localise else None)
                 if collapse is not None and not raised:
                     self._report_collapse(collapse, decision)
+        self.ladder.end_step(self.step, blocked=not raised and (decision.block or (
+            decision.scaler_skip and self._scaler_monitor.collapsed)), troubled=decision.incident is not None)
         action = decision.incident.action if decision.incident is not None else ("scaler_skip" if decision.scaler_skip else None)
         row = {
             "step": self.step,
@@ -669,16 +688,28 @@ class Guard:
     def _report_collapse(self, collapse: Any, decision: _Decision) -> None:
         from .diagnosis.patterns import explain
 
-        summary, fix = explain("scaler_collapse", detail=collapse.reason)
+        summary, fix = f"The GradScaler is collapsing: {collapse.reason}.", explain("scaler_collapse")[1]
         incident = Incident(
             step=self.step, kind="scaler_collapse", phase="backward", op=None, module=None, source=None,
             rank=self.rank, cause="scaler_collapse", summary=summary, fix=fix,
-            action="logged" if self.policy == "skip" or self.config.finite_anomaly_action == "log" else action_for(
+            action="skipped" if self.policy == "skip" or self.config.finite_anomaly_action == "log" else action_for(
                 self.policy, None, finite_trouble=True, config=self.config),
-            details={"consecutive_skips": collapse.consecutive_skips, "scale": collapse.scale},
+            details=collapse_fields(collapse),
             history=list(self._recorder),
         )
+        if self.ladder.absorb(incident, decision):  # the collapse goes on: counted on its incident
+            return
         decision.incident = decision.incident or incident
+        if not collapse.continuing:
+            from .detection.scaler import name_collapse_origin
+
+            name_collapse_origin(self, incident, self._capture, decision.health.scale)
+        self.ladder.settle(incident, decision)  # a collapse is never a repeat here: it opens or heads its episode
+        if incident.action in ("paused", "rolled_back"):
+            self._write_bundle(incident)
+        if incident.action == "rolled_back" and not (self.rollback is not None and self.rollback.roll_back(incident)):
+            incident.action = "paused"
+        self.ladder.annotate(incident)
         self._record(incident)
         if incident.action in ("raised", "paused"):
             raise NonFiniteError(incident)
@@ -697,6 +728,16 @@ class Guard:
                 lr = float(lr) if lr.device.type == "cpu" else float("nan")
             out.append(float(lr) if lr is not None else float("nan"))
         return out
+
+    def checkpoint_ok(self) -> bool:
+        """True when now is a safe moment to save a checkpoint: every parameter and buffer of the
+        model is finite and no incident episode is unresolved. ``guard.checkpoints.reason`` says
+        why not. One fused check per step (cached), so it is cheap to ask before every save::
+
+            if guard.checkpoint_ok():
+                torch.save(model.state_dict(), path)
+        """
+        return self.checkpoints.verdict()
 
     @property
     def last_step(self) -> dict[str, Any] | None:

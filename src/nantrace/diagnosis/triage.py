@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..detection.divergence import Divergence, DivergenceDetector
 from ..detection.sentinel import StepHealth
 from ..detection.spikes import RobustSpikeDetector
 from .patterns import explain
@@ -39,8 +40,60 @@ def triage(
     loss_spikes: RobustSpikeDetector | None,
     grad_spikes: RobustSpikeDetector | None,
     last_applied: int | None,
+    divergence: DivergenceDetector | None = None,
+    lr: float | None = None,
 ) -> Finding | None:
-    """Classify the step; ``None`` when it is healthy (or a normal GradScaler calibration skip)."""
+    """Classify the step; ``None`` when it is healthy (or a normal GradScaler calibration skip).
+
+    ``divergence`` judges the growth rate of loss and gradient norm from the first step (``lr``,
+    the first param group's learning rate, is its evidence); it sees every step, finite or not.
+    """
+    diverging = divergence.update(step, health.loss, health.grad_norm, lr) if divergence is not None else None
+    finding = _nonfinite(health, step=step, scaler_active=scaler_active, last_applied=last_applied)
+    if finding is not None:
+        evidence = divergence.evidence() if divergence is not None else None
+        if evidence is not None and finding.kind != "nonfinite_param":
+            finding.details["divergence"] = evidence
+            finding.summary += (f" It ends a divergence: the {'loss' if evidence.get('series') == 'loss' else 'gradient norm'}"
+                                f" had grown {evidence.get('factor', float('nan')):.3g}× since step {evidence.get('since_step')}.")
+        return finding
+    if not health.grads_finite:
+        return None  # the GradScaler's own calibration: it skips this step and lowers the scale
+    spike = loss_spikes.update(health.loss) if loss_spikes is not None and health.loss is not None else None
+    boom = grad_spikes.update(health.grad_norm) if grad_spikes is not None and health.grad_norm is not None else None
+    if diverging is not None:
+        return _divergence_finding(diverging, step)
+    if spike is not None:
+        detail = f"{spike.value:.4g} against a median of {spike.median:.4g} over the last {spike.window} steps, {spike.ratio:.1f}×, robust z = {spike.zscore:.1f}"
+        summary, fix = explain("loss_divergence", detail=detail)
+        return Finding(step, "loss_spike", "forward", "loss_divergence", None, summary, fix,
+                       details={"value": spike.value, "median": spike.median, "ratio": spike.ratio, "zscore": spike.zscore})
+    if boom is not None:
+        detail = f"to a norm of {boom.value:.4g} against a median of {boom.median:.4g} over the last {boom.window} steps, {boom.ratio:.1f}×, robust z = {boom.zscore:.1f}"
+        summary, fix = explain("gradient_explosion", detail=detail)
+        return Finding(step, "grad_explosion", "backward", "gradient_explosion", None, summary, fix,
+                       details={"value": boom.value, "median": boom.median, "ratio": boom.ratio, "zscore": boom.zscore})
+    return None
+
+
+def _divergence_finding(d: Divergence, step: int) -> Finding:
+    """A diverging run as a finding, with the growth, the learning rate and the schedule as evidence."""
+    g = d.growth
+    details: dict[str, Any] = {
+        "divergence": {"series": g.series, "since_step": g.since_step, "steps": g.steps, "start_value": g.start_value,
+                       "value": g.value, "factor": g.factor, "per_step": g.per_step, "r2": g.r2,
+                       "continuing": d.continuing, "lr": d.lr, "lr_at_start": d.lr_at_start, "lr_trend": d.lr_trend,
+                       "grad_norm_before": d.norm_before},
+    }
+    if d.other is not None:
+        details["divergence"]["other"] = {"series": d.other.series, "since_step": d.other.since_step,
+                                          "factor": d.other.factor}
+    phase = "forward" if d.cause == "loss_divergence" else "backward"
+    return Finding(step, d.kind, phase, d.cause, None, d.summary(step), d.fix(), details=details)
+
+
+def _nonfinite(health: StepHealth, *, step: int, scaler_active: bool, last_applied: int | None) -> Finding | None:
+    """The finding for a step whose sentinel figures hold a non-finite value (``None`` otherwise)."""
     if not health.params_finite:
         if last_applied is None:
             summary, fix = explain("nonfinite_param")
@@ -71,16 +124,4 @@ def triage(
                 "so whether the forward was already non-finite is unknown.")
         return Finding(step, "nonfinite_grad", "backward" if health.loss is not None else None, "unknown", None,
                        seen, explain("unknown")[1])
-    spike = loss_spikes.update(health.loss) if loss_spikes is not None and health.loss is not None else None
-    boom = grad_spikes.update(health.grad_norm) if grad_spikes is not None and health.grad_norm is not None else None
-    if spike is not None:
-        detail = f"{spike.value:.4g} against a median of {spike.median:.4g} over the last {spike.window} steps, {spike.ratio:.1f}×, robust z = {spike.zscore:.1f}"
-        summary, fix = explain("loss_divergence", detail=detail)
-        return Finding(step, "loss_spike", "forward", "loss_divergence", None, summary, fix,
-                       details={"value": spike.value, "median": spike.median, "ratio": spike.ratio, "zscore": spike.zscore})
-    if boom is not None:
-        detail = f"to a norm of {boom.value:.4g} against a median of {boom.median:.4g} over the last {boom.window} steps, {boom.ratio:.1f}×, robust z = {boom.zscore:.1f}"
-        summary, fix = explain("gradient_explosion", detail=detail)
-        return Finding(step, "grad_explosion", "backward", "gradient_explosion", None, summary, fix,
-                       details={"value": boom.value, "median": boom.median, "ratio": boom.ratio, "zscore": boom.zscore})
     return None

@@ -60,3 +60,21 @@ def stack_on(values: Sequence[torch.Tensor], device: torch.device, dtype: torch.
     if not values:
         return torch.zeros(0, device=device, dtype=dtype)
     return torch.cat([v.detach().reshape(-1).to(device, dtype) for v in values])
+
+
+def accumulation_dtype(device: torch.device) -> torch.dtype:
+    """The dtype nantrace's statistics accumulate in: float64 (a float32 tensor of finite values up to
+    ~1e30 has a sum of squares of ~1e60, beyond float32), float32 on devices without float64 (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def safe_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor L2 norms that cannot overflow where the tensors are finite (accumulated in
+    :func:`accumulation_dtype`), as 0-dim tensors on each tensor's device; no synchronisation."""
+    if not tensors:
+        return []
+    dtype = accumulation_dtype(tensors[0].device)
+    try:
+        return list(torch._foreach_norm(list(tensors), 2, dtype=dtype))
+    except (RuntimeError, TypeError):
+        return [torch.linalg.vector_norm(t, dtype=accumulation_dtype(t.device)) for t in tensors]

@@ -24,7 +24,7 @@ import torch
 from ..detection.sentinel import local
 from ._common import SafeMonitor, is_sampled, store_transaction
 from ._layers import LayerIndex
-from ._readback import DeferredRead, stack_on
+from ._readback import DeferredRead, accumulation_dtype, safe_norms, stack_on
 from .base import Signal, StepContext
 from .early_warnings import LayerWarnings, WarningSettings
 
@@ -69,16 +69,14 @@ class _PendingUpdate:
 
 
 def update_norms(before: list[torch.Tensor], after: list[torch.Tensor]) -> list[torch.Tensor]:
-    """‖after_i − before_i‖ per tensor, as float32 0-dim tensors; overwrites ``before`` (foreach, no sync)."""
+    """‖after_i − before_i‖ per tensor, as 0-dim tensors accumulated in float64 (they cannot overflow where
+    the weights are finite); overwrites ``before`` (foreach, no sync)."""
     try:
         torch._foreach_sub_(before, after)
-        return list(torch._foreach_norm(before, 2, dtype=torch.float32))
     except (RuntimeError, TypeError):
-        out = []
         for b, a in zip(before, after):
             b.sub_(a)
-            out.append(torch.linalg.vector_norm(b, dtype=torch.float32))
-        return out
+    return safe_norms(before)
 
 
 def _copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -159,11 +157,11 @@ class LayerStatsMonitor(SafeMonitor):
 
     def _start_update(self, figures: LayerFigures, before: list[torch.Tensor]) -> _PendingUpdate:
         params = [local(p.detach()) for p in self._params]
-        extra = [] if figures.param_present.all() else list(torch._foreach_norm(params, 2, dtype=torch.float32))
+        extra = [] if figures.param_present.all() else safe_norms(params)
         diff = update_norms(before, params)
         del before
         device = params[0].device
-        values = stack_on(diff + extra, device)
+        values = stack_on(diff + extra, device, accumulation_dtype(device))
         if self.guard.sharded and self.guard.world_size > 1:  # shard norms -> the parameter's norm
             values = values.square()
             torch.distributed.all_reduce(values)

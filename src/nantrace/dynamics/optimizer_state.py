@@ -30,7 +30,7 @@ import torch
 
 from ._common import SafeMonitor, is_sampled
 from ._layers import LayerIndex
-from ._readback import DeferredRead, stack_on
+from ._readback import DeferredRead, accumulation_dtype, stack_on
 from .base import Signal, StepContext
 
 if TYPE_CHECKING:
@@ -63,17 +63,24 @@ def eps_problem(eps: float, dtype: torch.dtype) -> str | None:
 
 
 def tensor_state_stats(m: torch.Tensor, v: torch.Tensor, threshold: float) -> torch.Tensor:
-    """``[‖m‖, ‖v‖, min v, #entries with m != 0 and v < threshold]`` for one tensor's state (float32, on its device).
+    """``[‖m‖, ‖v‖, min v, #entries with m != 0 and v < threshold, #non-finite entries of m and v]``
+    for one tensor's state, on its device.
 
-    ``threshold`` is ``eps² · (1 - β₂ᵗ)``: ``v`` below it means ``sqrt(v̂) < eps``.
+    ``threshold`` is ``eps² · (1 - β₂ᵗ)``: ``v`` below it means ``sqrt(v̂) < eps``. The norms are
+    accumulated in float64: ``exp_avg_sq`` of float32 state holds squares of gradients, and a
+    float32 sum of its squares overflows from entries of ~1e19 on, finite as they are. Whether
+    the state is non-finite is counted on the state itself, never inferred from a norm.
     """
+    acc = accumulation_dtype(m.device)
     vf = v.float() if v.dtype in _LOW_PRECISION else v
     bad = ((m != 0) & (vf < threshold)).sum()
+    nonfinite = (m.numel() - torch.isfinite(m).sum()) + (v.numel() - torch.isfinite(v).sum())
     return torch.stack([
-        torch.linalg.vector_norm(m, dtype=torch.float32),
-        torch.linalg.vector_norm(v, dtype=torch.float32),
-        v.amin().to(torch.float32),
-        bad.to(torch.float32),
+        torch.linalg.vector_norm(m, dtype=acc),
+        torch.linalg.vector_norm(v, dtype=acc),
+        v.amin().to(acc),
+        bad.to(acc),
+        nonfinite.to(acc),
     ])
 
 
@@ -167,10 +174,10 @@ class OptimizerStateMonitor(SafeMonitor):
             return None
         device = entries[0][1].device
         stats = [tensor_state_stats(m.detach(), v.detach(), thr) for _, m, v, thr in entries]
-        return step, [e[0] for e in entries], DeferredRead(stack_on(stats, device))
+        return step, [e[0] for e in entries], DeferredRead(stack_on(stats, device, accumulation_dtype(device)))
 
     def _finish(self, step: int, which: list[int], read: DeferredRead) -> list[Signal]:
-        values = np.asarray(read.get(), dtype=np.float64).reshape(-1, 4)
+        values = np.asarray(read.get(), dtype=np.float64).reshape(-1, 5)
         m_norm = self.index.combine(values[:, 0], which)
         v_norm = self.index.combine(values[:, 1], which)
         v_min = self.index.minimum(values[:, 2], which)
@@ -178,7 +185,7 @@ class OptimizerStateMonitor(SafeMonitor):
         with np.errstate(divide="ignore", invalid="ignore"):
             underflow = self.index.sum(values[:, 3], which) / numel
         present = self.index.present(which)
-        nonfinite = present & ~(np.isfinite(m_norm) & np.isfinite(v_norm))
+        nonfinite = present & (self.index.sum(values[:, 4], which) > 0)  # counted on the state, not from a norm
         self.latest = AdamFigures(step, m_norm, v_min, np.where(present, underflow, np.nan), nonfinite, present)
         if not self.warn:
             return []

@@ -34,6 +34,13 @@ class NanTraceCallback(SessionCallback, TrainerCallback):
     ``labels``, so replaying the captured forward replays the loss too. Steps count
     optimizer updates, as ``state.global_step`` does. If ``train()`` raises, call
     :meth:`close` (the next ``train()`` also closes the previous guard).
+
+    Checkpoints stay healthy: when the Trainer is about to save (``control.should_save``) while
+    the weights hold non-finite values or an incident episode is unresolved, the save is
+    cancelled (a ``CheckpointRefusedWarning`` and an incident; no checkpoint written, none
+    rotated away by ``save_total_limit``). A run resumed from a checkpoint whose weights are
+    non-finite is reported at its first step, naming the tensors (and the checkpoint, when
+    ``args.resume_from_checkpoint`` names it).
     """
 
     def __init__(self, **watch_kwargs: Any) -> None:
@@ -48,6 +55,21 @@ class NanTraceCallback(SessionCallback, TrainerCallback):
         self.session = GuardSession(model, optimizer, scaler, **self.watch_kwargs)
         self.session.guard.step = state.global_step  # resumed from a checkpoint: count on from there
         self._logged_step = -1
+        resumed = getattr(args, "resume_from_checkpoint", None)
+        self.session.guard.checkpoints.loaded_from = resumed if isinstance(resumed, str) else None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._veto(control, state, "Trainer save (on_step_end)")
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._veto(control, state, "Trainer save (on_epoch_end)")
+
+    def _veto(self, control: Any, state: Any, where: str) -> None:
+        """Cancel a save the Trainer is about to make when now is not a safe moment."""
+        if self.guard is None or self.guard.closed or not getattr(control, "should_save", False):
+            return
+        if self.guard.checkpoints.refuse_if_unsafe(where, f"checkpoint-{state.global_step}"):
+            control.should_save = False
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         row = self.guard.last_step if self.guard is not None else None

@@ -25,6 +25,7 @@ require("lightning", feature="nantrace.integrations.lightning")
 import lightning.pytorch as pl  # noqa: E402
 
 from . import GuardSession, SessionCallback, check_watch_kwargs, step_metrics  # noqa: E402
+from ._checkpoint import CheckpointVeto  # noqa: E402
 
 __all__ = ["NanTraceCallback"]
 
@@ -38,12 +39,19 @@ class NanTraceCallback(SessionCallback, pl.Callback):
     ``config``). Under automatic optimisation ``training_step`` is made replayable, so an
     incident names the op and line even when the loss is computed outside ``forward``.
     With several optimizers the first is watched.
+
+    Checkpoints stay healthy: a save by ``ModelCheckpoint`` or ``trainer.save_checkpoint`` while
+    the weights hold non-finite values or an incident episode is unresolved is refused (a
+    ``CheckpointRefusedWarning`` and an incident; no file written, none rotated away). A run
+    resumed with ``ckpt_path`` whose weights are non-finite is reported at its first step,
+    naming the tensors and that file.
     """
 
     def __init__(self, **watch_kwargs: Any) -> None:
         self.watch_kwargs = check_watch_kwargs(watch_kwargs, "NanTraceCallback")
         self.session: GuardSession | None = None
         self._patched: tuple[pl.LightningModule, Any] | None = None  # (module, its own training_step attr)
+        self._veto: CheckpointVeto | None = None
         self._logged_step = -1
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -56,6 +64,8 @@ class NanTraceCallback(SessionCallback, pl.Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.session = GuardSession(pl_module, trainer.optimizers[0], scaler, **self.watch_kwargs)
         self._logged_step = -1
+        self.session.guard.checkpoints.loaded_from = getattr(trainer, "ckpt_path", None)
+        self._veto = CheckpointVeto(trainer, self.session.guard.checkpoints)
         if pl_module.automatic_optimization:  # a manual training_step steps the optimizer: not replayable
             self._patched = (pl_module, pl_module.__dict__.get("training_step", _ABSENT))
             pl_module.training_step = self.session.guard.replayable(_loss_first(pl_module.training_step))
@@ -84,6 +94,9 @@ class NanTraceCallback(SessionCallback, pl.Callback):
         self._close()
 
     def _close(self) -> None:
+        if self._veto is not None:
+            self._veto.remove()
+            self._veto = None
         if self._patched is not None:
             module, previous = self._patched
             if previous is _ABSENT:

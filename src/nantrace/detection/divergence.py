@@ -1,0 +1,315 @@
+"""Divergence detection from the first step: growth judged by its rate, not by its size.
+
+A run whose learning rate (or warm-up) is too high does not spike once: its loss and
+gradient norm grow by a roughly constant factor per step until something overflows. The
+robust z-score of :mod:`.spikes` needs a window of history before it can judge; this
+detector needs none. It watches each positive series for *consecutive multiplicative
+growth*: a run of ``min_steps`` or more increases in a row whose total factor is at least
+``min_factor`` (one increase fewer when the factor is at least ``min_factor**3``: a growth
+that steep leaves no time to wait) and whose logarithm is well fitted by a straight line (an exponential,
+R² >= 0.8), and which has reached a new high against the series' own recent past. When
+the series has history, the growth must also stand out from its step-to-step noise.
+
+Why these conditions give no false alarm on healthy runs: a healthy loss falls or
+fluctuates; four increases in a row of a noisy series are rare (1 in 120 for independent
+noise), and when they happen their total stays within the noise, or one heavy-tailed
+value makes most of it (a spike, badly fitted by an exponential), or it does not exceed
+what the run has already seen. A gradient norm, on the other hand, legitimately grows
+for many steps early in training while the loss falls fast; so the gradient norm alone
+counts only once the loss has a history and is not falling (at or above its recent median).
+When both grow, the cause is ``gradient_explosion`` if the norm began growing first.
+
+Once a divergence is flagged the detector stays in that state while the series remains
+above its pre-growth level by ``sqrt(min_factor)``: every such step is reported again
+(``continuing``), so a skipped update does not make the divergence look healed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+
+__all__ = ["Divergence", "DivergenceDetector", "Growth", "GrowthTracker"]
+
+_MIN_R2 = 0.8
+"""An exponential must explain this much of the run's log-variance (a lone spike does not)."""
+_NOISE_Z = 4.0
+"""With history, the run's log-growth must exceed this many noise sigmas (scaled by sqrt(steps))."""
+_NOISE_MIN_DIFFS = 16
+_MAD_TO_SIGMA = 1.4826
+
+
+@dataclasses.dataclass(frozen=True)
+class Growth:
+    """A run of consecutive growth of one series."""
+
+    series: str
+    since_step: int
+    """The step whose value the growth started from (the last value before the first increase)."""
+    steps: int
+    """Increases in a row."""
+    start_value: float
+    value: float
+    factor: float
+    """``value / start_value``."""
+    per_step: float
+    """Growth factor per step of the fitted exponential."""
+    r2: float
+
+
+class GrowthTracker:
+    """Consecutive multiplicative growth of one positive series (loss or gradient norm)."""
+
+    def __init__(self, series: str, *, min_steps: int, min_factor: float, history: int = 128) -> None:
+        self.series = series
+        self.min_steps = min_steps
+        self.min_factor = min_factor
+        self._past: deque[tuple[int, float]] = deque(maxlen=history)
+        """Healthy (step, value) pairs before the current run, for the new-high and noise tests."""
+        self._run: list[tuple[int, float]] = []
+        self._flagged_from: float | None = None
+        """While diverged: the value the flagged growth started from."""
+
+    @property
+    def diverged(self) -> bool:
+        return self._flagged_from is not None
+
+    def value_at(self, step: int) -> float | None:
+        """The value recorded at ``step`` if it is still remembered."""
+        for s, v in reversed(self._run):
+            if s == step:
+                return v
+        for s, v in reversed(self._past):
+            if s == step:
+                return v
+        return None
+
+    def latest(self) -> float | None:
+        return self._run[-1][1] if self._run else (self._past[-1][1] if self._past else None)
+
+    def update(self, step: int, value: float | None) -> Growth | None:
+        """Add this step's value; the growth when the series is diverging (or still diverged)."""
+        if value is None or not math.isfinite(value) or value <= 0:
+            self._end_run()
+            return None
+        if self._flagged_from is not None:
+            if value >= self._flagged_from * math.sqrt(self.min_factor):
+                self._run.append((step, value))
+                return self._growth()
+            self._flagged_from = None  # back near its level: the episode is over, judge afresh
+            self._run.clear()
+        if self._run and value > self._run[-1][1]:
+            self._run.append((step, value))
+        else:
+            self._end_run()
+            self._run = [(step, value)]
+        growth = self._judge()
+        if growth is not None:
+            self._flagged_from = growth.start_value
+        return growth
+
+    def _end_run(self) -> None:
+        if self._flagged_from is None:
+            self._past.extend(self._run)
+        self._run = []
+
+    def _judge(self) -> Growth | None:
+        run = self._run
+        if len(run) - 1 < max(2, self.min_steps - 1):
+            return None
+        growth = self._growth()
+        if growth.factor < self.min_factor or growth.r2 < _MIN_R2:
+            return None
+        if growth.steps < self.min_steps and growth.factor < self.min_factor ** 3:
+            return None  # one increase short: only a growth this steep counts already
+        if self._past and growth.value <= max(v for _, v in self._past):
+            return None  # not above what the run has already seen: a recovery, not a divergence
+        sigma = self._noise()
+        if sigma is not None and math.log(growth.factor) < _NOISE_Z * sigma * math.sqrt(growth.steps):
+            return None
+        return growth
+
+    def _growth(self) -> Growth:
+        run = self._run
+        logs = [math.log(v) for _, v in run]
+        slope, r2 = _fit(logs)
+        return Growth(series=self.series, since_step=run[0][0], steps=len(run) - 1, start_value=run[0][1],
+                      value=run[-1][1], factor=run[-1][1] / run[0][1], per_step=math.exp(slope), r2=r2)
+
+    def _noise(self) -> float | None:
+        """Robust sigma of the step-to-step log changes in the healthy past (None: too little history)."""
+        past = list(self._past)
+        diffs = [math.log(b[1] / a[1]) for a, b in zip(past, past[1:]) if b[0] == a[0] + 1]
+        if len(diffs) < _NOISE_MIN_DIFFS:
+            return None
+        diffs.sort()
+        median = diffs[len(diffs) // 2]
+        spread = sorted(abs(d - median) for d in diffs)
+        return _MAD_TO_SIGMA * spread[len(spread) // 2]
+
+    def state_dict(self) -> dict[str, object]:
+        return {"past": list(self._past), "run": list(self._run), "flagged_from": self._flagged_from}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self._past = deque((tuple(p) for p in state["past"]), maxlen=self._past.maxlen)  # type: ignore[misc, union-attr]
+        self._run = [tuple(p) for p in state["run"]]  # type: ignore[misc, union-attr]
+        self._flagged_from = state["flagged_from"]  # type: ignore[assignment]
+
+
+def _fit(ys: list[float]) -> tuple[float, float]:
+    """Least-squares slope of ``ys`` against 0..n-1, and R²."""
+    n = len(ys)
+    mx = (n - 1) / 2
+    my = sum(ys) / n
+    sxx = sum((i - mx) ** 2 for i in range(n))
+    sxy = sum((i - mx) * (y - my) for i, y in enumerate(ys))
+    syy = sum((y - my) ** 2 for y in ys)
+    slope = sxy / sxx
+    r2 = (sxy * sxy) / (sxx * syy) if syy > 0 else 0.0
+    return slope, r2
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """A diverging run, with the evidence for its summary and fix."""
+
+    cause: str
+    """``loss_divergence`` (the loss grows) or ``gradient_explosion`` (the gradient norm led)."""
+    growth: Growth
+    """The growth of the leading series."""
+    other: Growth | None
+    """The other series' growth over the same steps, when it grows too."""
+    continuing: bool
+    """False at the step the divergence is first flagged; True while it persists."""
+    lr: float | None
+    lr_at_start: float | None
+    """The learning rate when the growth began."""
+    lr_trend: str
+    """``"rising"`` (warm-up), ``"constant"``, ``"decaying"`` or ``"unknown"``."""
+    norm_before: float | None
+    """The gradient norm when the growth began (a clipping threshold to start from)."""
+
+    @property
+    def kind(self) -> str:
+        return "loss_spike" if self.cause == "loss_divergence" else "grad_explosion"
+
+    def summary(self, step: int) -> str:
+        g = self.growth
+        name = "loss" if g.series == "loss" else "gradient norm"
+        text = (f"The {name} is diverging: it grew {g.factor:.3g}× in {g.steps} steps in a row since step {g.since_step} "
+                f"({g.start_value:.4g} → {g.value:.4g}, ×{g.per_step:.2f} per step, fitted exponential)")
+        if self.continuing:
+            text = f"The divergence goes on at step {step}: the {name} is {g.value:.4g}, still far above {g.start_value:.4g} (step {g.since_step})"
+        if self.other is not None:
+            other = "loss" if self.other.series == "loss" else "gradient norm"
+            text += f"; the {other} grew {self.other.factor:.3g}× since step {self.other.since_step}"
+        if self.lr is not None:
+            text += f"; learning rate {self.lr:.3g}"
+            text += {"rising": f", still rising (warm-up; it was {self.lr_at_start:.3g} when the growth began)",
+                     "constant": ", constant", "decaying": ", decaying"}.get(self.lr_trend, "") if self.lr_at_start is not None else ""
+        return text + "."
+
+    def fix(self) -> str:
+        lr_hint = ""
+        if self.lr_at_start is not None and self.lr is not None:
+            if self.lr_trend == "rising":
+                lr_hint = (f"The growth began during warm-up at a learning rate of {self.lr_at_start:.3g}: lower the peak "
+                           f"learning rate below that (it is {self.lr:.3g} now and still rising) or lengthen the warm-up")
+            else:
+                lr_hint = f"Lower the learning rate (it was {self.lr_at_start:.3g} when the growth began)"
+        else:
+            lr_hint = "Lower the learning rate (peak LR) or lengthen the warm-up"
+        clip = "clip gradients (torch.nn.utils.clip_grad_norm_"
+        clip += f", max_norm around {self.norm_before:.3g}, the norm before the growth)" if self.norm_before else ")"
+        if self.cause == "gradient_explosion":
+            return (f"{lr_hint}; {clip}, and check the initialisation and normalisation of deep or recurrent paths: "
+                    "the gradients grew before the loss did.")
+        return f"{lr_hint}; {clip}."
+
+
+class DivergenceDetector:
+    """Loss and gradient-norm growth, judged together, with the learning rate as evidence."""
+
+    def __init__(self, *, min_steps: int, min_factor: float) -> None:
+        self.loss = GrowthTracker("loss", min_steps=min_steps, min_factor=min_factor)
+        self.grad = GrowthTracker("grad_norm", min_steps=min_steps, min_factor=min_factor)
+        self._lrs: deque[tuple[int, float]] = deque(maxlen=256)
+        self._cause: str | None = None
+
+    @property
+    def diverged(self) -> bool:
+        """A divergence was flagged and has not settled back."""
+        return self._cause is not None
+
+    def update(self, step: int, loss: float | None, grad_norm: float | None, lr: float | None) -> Divergence | None:
+        """Judge this step; a :class:`Divergence` when the run diverges (again at every step it persists)."""
+        if lr is not None and math.isfinite(lr):
+            self._lrs.append((step, lr))
+        lg = self.loss.update(step, loss)
+        gg = self.grad.update(step, grad_norm)
+        if lg is None and gg is None:
+            if not (self.loss.diverged or self.grad.diverged):  # a non-finite step does not end it
+                self._cause = None
+            return None
+        continuing = self._cause is not None
+        if not continuing:
+            if lg is not None:
+                grads_first = gg is not None and gg.since_step < lg.since_step
+                self._cause = "gradient_explosion" if grads_first else "loss_divergence"
+            elif gg is not None and self._loss_not_falling():
+                self._cause = "gradient_explosion"
+            else:
+                self.grad._flagged_from = None  # the loss falls: an early-phase rise of the norm, not a divergence
+                return None
+        lead, other = (lg, gg) if (lg is not None and (self._cause == "loss_divergence" or gg is None)) else (gg, lg)
+        assert lead is not None
+        return Divergence(cause=self._cause or "loss_divergence", growth=lead, other=other, continuing=continuing,
+                          lr=lr if lr is not None and math.isfinite(lr) else None,
+                          lr_at_start=self._lr_at(lead.since_step), lr_trend=self._lr_trend(),
+                          norm_before=self.grad.value_at(lead.since_step))
+
+    def evidence(self) -> dict[str, object] | None:
+        """While diverged: what a later incident (the overflow it ends in) should know about it."""
+        if self._cause is None:
+            return None
+        tracker = self.loss if self._cause == "loss_divergence" else self.grad
+        run = tracker._run
+        if not run:
+            return {"cause": self._cause}
+        return {"cause": self._cause, "series": tracker.series, "since_step": run[0][0], "start_value": run[0][1],
+                "last_value": run[-1][1], "factor": run[-1][1] / run[0][1]}
+
+    def _loss_not_falling(self) -> bool:
+        """The gradient norm alone counts once the loss has a history (early in training the norm
+        legitimately grows for many steps) and when the loss is at or above its recent median."""
+        past = [v for _, v in self.loss._past] + [v for _, v in self.loss._run]
+        if len(past) < _NOISE_MIN_DIFFS:
+            return False
+        recent = sorted(past[-8:])
+        return past[-1] >= recent[len(recent) // 2]
+
+    def _lr_at(self, step: int) -> float | None:
+        for s, lr in reversed(self._lrs):
+            if s <= step:
+                return lr
+        return self._lrs[0][1] if self._lrs else None
+
+    def _lr_trend(self) -> str:
+        recent = [lr for _, lr in list(self._lrs)[-8:]]
+        if len(recent) < 2:
+            return "unknown"
+        if recent[-1] > recent[0] * (1 + 1e-6):
+            return "rising"
+        if recent[-1] < recent[0] * (1 - 1e-6):
+            return "decaying"
+        return "constant"
+
+    def state_dict(self) -> dict[str, object]:
+        return {"loss": self.loss.state_dict(), "grad": self.grad.state_dict(), "lrs": list(self._lrs), "cause": self._cause}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.loss.load_state_dict(state["loss"])  # type: ignore[arg-type]
+        self.grad.load_state_dict(state["grad"])  # type: ignore[arg-type]
+        self._lrs = deque((tuple(p) for p in state["lrs"]), maxlen=self._lrs.maxlen)  # type: ignore[misc, union-attr]
+        self._cause = state["cause"]  # type: ignore[assignment]

@@ -1,0 +1,134 @@
+"""Divergence detection from the first steps (issue 12): a run whose warm-up goes to a learning
+rate several times too high is flagged while its loss is still finite; healthy runs (noisy,
+heavy-tailed, falling fast early, gradient norms rising early) raise no alarm."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import nantrace
+from divergence_runs import RUNS, train
+from nantrace.detection.divergence import DivergenceDetector, GrowthTracker
+
+HEALTHY = [name for name, run in RUNS.items() if run.healthy]
+DIVERGING = [name for name, run in RUNS.items() if not run.healthy]
+
+
+def _flags(losses, norms, lrs):
+    d = DivergenceDetector(min_steps=4, min_factor=4.0)
+    return [(s, v.cause) for s, (l, g, lr) in enumerate(zip(losses, norms, lrs))
+            if (v := d.update(s, l, g, lr)) is not None and not v.continuing]
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_healthy_real_runs_raise_no_divergence(name, seed, one_thread):
+    result = train(RUNS[name], seed=seed)
+    assert result.first_nonfinite is None
+    assert _flags(result.losses, result.grad_norms, result.lrs) == []
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+def test_healthy_real_runs_under_the_guard_have_zero_incidents(name, one_thread):
+    result = train(RUNS[name], seed=0, guard_kwargs={"config": nantrace.Config(print_incidents=False)})
+    assert result.error is None and [(i.step, i.kind) for i in result.guard.incidents] == []
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("noise", ["lognormal", "student_t", "spiky"])
+def test_synthetic_noisy_series_raise_no_divergence(seed, noise):
+    """Fast-falling early phases with heavy-tailed noise, and a gradient norm that rises 30x over the
+    first 40 steps while the loss falls (as transformers do after initialisation)."""
+    rng = np.random.default_rng(seed)
+    n = 600
+    t = np.arange(n)
+    trend = 0.05 + 5 * np.exp(-t / 30)  # falls 100-fold, fast, in the first steps
+    if noise == "lognormal":
+        eps = np.exp(0.3 * rng.standard_normal(n))
+    elif noise == "student_t":
+        eps = np.exp(0.2 * rng.standard_t(2, n).clip(-15, 15))
+    else:  # rare bad batches: 2% of steps 3-10x the loss
+        eps = np.where(rng.random(n) < 0.02, rng.uniform(3, 10, n), np.exp(0.15 * rng.standard_normal(n)))
+    losses = trend * eps
+    norms = (0.1 + 3 * (1 - np.exp(-t / 15))) * np.exp(0.3 * rng.standard_normal(n))
+    assert _flags(losses.tolist(), norms.tolist(), [1e-3] * n) == []
+
+
+@pytest.mark.parametrize("name", DIVERGING)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_warmup_too_high_is_flagged_while_the_loss_is_finite(name, seed, one_thread):
+    """The figures of issue 12: first incident >= 2 steps before the first non-finite loss (of the same
+    run without nantrace), <= 3 incidents for the episode, never more than 10 skipped updates in a row."""
+    reference = train(RUNS[name], seed=seed)
+    assert reference.first_nonfinite is not None
+    watched = train(RUNS[name], seed=seed, guard_kwargs={"config": nantrace.Config(print_incidents=False)})
+    guard = watched.guard
+    first = guard.incidents[0]
+    assert reference.first_nonfinite - first.step >= 2
+    assert first.cause in ("loss_divergence", "gradient_explosion") and first.action == "skipped"
+    assert first.kind == {"loss_divergence": "loss_spike", "gradient_explosion": "grad_explosion"}[first.cause]
+    assert math.isfinite(first.details["loss"])
+    assert len(guard.incidents) <= 3 and guard.ladder.max_consecutive_skips <= 10
+    assert guard.incidents[-1].action == "paused" and isinstance(watched.error, nantrace.NonFiniteError)
+
+
+def test_the_diagnosis_names_growth_rate_start_and_learning_rate(one_thread):
+    watched = train(RUNS["mlp_warmup_too_high"], seed=0, guard_kwargs={"config": nantrace.Config(print_incidents=False)})
+    first = watched.guard.incidents[0]
+    d = first.details["divergence"]
+    assert (first.step, first.kind, first.cause, first.phase) == (28, "loss_spike", "loss_divergence", "forward")
+    assert (d["since_step"], d["steps"], d["lr_trend"]) == (23, 5, "rising")
+    assert d["factor"] == pytest.approx(d["value"] / d["start_value"]) and d["factor"] >= 4
+    assert d["lr"] == pytest.approx(0.4 * 29 / 50) and d["lr_at_start"] == pytest.approx(0.4 * 24 / 50)
+    assert d["grad_norm_before"] == pytest.approx(watched.grad_norms[23], rel=1e-4)
+    assert "since step 23" in first.summary and "per step" in first.summary and "still rising (warm-up" in first.summary
+    assert "lower the peak learning rate below" in first.fix and "lengthen the warm-up" in first.fix
+    assert "clip_grad_norm_" in first.fix
+
+
+@pytest.mark.parametrize("values, flagged_at", [
+    ([1.0, 1.1, 1.5, 3.0, 7.0, 20.0], 4),         # 4 increases, x7 since 1.0: flagged at the 4th
+    ([1.0, 1.01, 1.02, 1.03, 1.05, 1.06], None),    # steady but tiny growth
+    ([1.0, 1.01, 1.02, 1.03, 40.0], None),          # one spike after small rises: not an exponential
+    ([10.0, 3.0, 1.0, 1.2, 1.5, 2.5, 5.0], None),   # recovers below what the run has seen (10)
+    ([1.0, 10.0, 1000.0, 1e5], 3),                  # one increase short, but steep beyond divergence_factor**3
+])
+def test_growth_tracker_rules(values, flagged_at):
+    tracker = GrowthTracker("loss", min_steps=4, min_factor=4.0)
+    hits = [i for i, v in enumerate(values) if tracker.update(i, v) is not None]
+    assert (hits[0] if hits else None) == flagged_at
+
+
+def test_a_divergence_stays_flagged_until_the_value_is_back_near_its_level():
+    tracker = GrowthTracker("loss", min_steps=4, min_factor=4.0)
+    series = [1.0, 1.1, 1.5, 3.0, 7.0, 8.0, 6.5, 2.1, 1.9, 1.0]
+    flags = [tracker.update(i, v) is not None for i, v in enumerate(series)]
+    assert flags == [False, False, False, False, True, True, True, True, False, False]
+
+
+def test_the_gradient_norm_alone_needs_a_loss_history_that_is_not_falling():
+    def run(losses, norms):
+        d = DivergenceDetector(min_steps=4, min_factor=4.0)
+        return [(i, v.cause) for i, (l, g) in enumerate(zip(losses, norms)) if (v := d.update(i, l, g, 1e-3)) is not None]
+
+    rising = [0.1 * 3**i for i in range(6)]
+    assert run([2.0 / (i + 1) for i in range(6)], rising) == []  # early: the norm rises while the loss falls
+    assert run([2.0] * 6, rising) == []  # early: no loss history yet
+    flat = [2.0 + 0.01 * (i % 2) for i in range(20)]
+    assert run(flat + [2.0] * 6, [1.0] * 20 + rising)[0] == (24, "gradient_explosion")
+    # both grow, the norm first: the gradients lead
+    assert run(flat + [2.0, 2.0, 3.0, 9.0, 27.0, 81.0], [1.0] * 20 + rising)[0] == (24, "gradient_explosion")
+    assert run(flat + [2.0, 2.0, 3.0, 9.0, 27.0, 81.0], [1.0] * 26)[0] == (25, "loss_divergence")
+
+
+def test_state_dict_round_trip():
+    d = DivergenceDetector(min_steps=4, min_factor=4.0)
+    for i, v in enumerate([1.0, 0.9, 1.1, 1.5, 3.0]):
+        d.update(i, v, v, 0.1)
+    e = DivergenceDetector(min_steps=4, min_factor=4.0)
+    e.load_state_dict(d.state_dict())
+    assert e.state_dict() == d.state_dict()
+    assert (d.update(5, 7.0, 7.0, 0.1) is None) == (e.update(5, 7.0, 7.0, 0.1) is None)
