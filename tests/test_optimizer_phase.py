@@ -17,7 +17,7 @@ import nantrace
 import scenarios
 from nantrace.response.update_bounds import StateBound, next_state_bound, update_risk
 from nantrace.response.update_check import UpdateCheck
-from scenarios import FAIL_STEP, SCENARIOS, STEPS, TinyLARS
+from scenarios import SCENARIOS, STEPS, TinyLARS
 
 OPTIMIZER_BORN = ["adam_eps0_update_makes_nan", "fp16_adam_eps_underflow", "lars_trust_ratio_zero_grad_norm"]
 _STEP_LINE = next(i for i, text in enumerate(open(__file__, encoding="utf-8"), 1) if text.rstrip().endswith("# <step-line>"))
