@@ -122,7 +122,7 @@ def leftover_hooks(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
         if getattr(p, "_post_accumulate_grad_hooks", None):
             found.append(f"parameter {name!r} has post-accumulate-grad hooks")
     if optimizer is not None:
-        for attr in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        for attr in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_load_state_dict_post_hooks"):
             if getattr(optimizer, attr, None):
                 found.append(f"optimizer has {attr}: {len(getattr(optimizer, attr))}")
         if "step" in optimizer.__dict__:

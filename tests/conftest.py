@@ -64,6 +64,7 @@ def assert_unhooked(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         assert not m._backward_hooks and not m._backward_pre_hooks, f"backward hook left on {name!r}"
     if optimizer is not None:
         assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+        assert not optimizer._optimizer_load_state_dict_post_hooks
         assert "step" not in optimizer.__dict__
     if scaler is not None and scaler_keys is not None:
         assert set(scaler.__dict__) == scaler_keys

@@ -168,7 +168,7 @@ def run(scn: Scenario, *, on_anomaly: str = "skip", config: nantrace.Config | No
                     setup.scaler.step(setup.optimizer)
                     setup.scaler.update()
                 else:
-                    setup.optimizer.step()
+                    setup.optimizer.step()  # <origin:optimizer_step>
             except nantrace.NonFiniteError as exc:
                 raised = exc
                 unchanged[step] = _same(before, _params(setup.model))
@@ -741,14 +741,109 @@ def _routed(step: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
 
 
 @scenario("adam_eps0_update_makes_nan",
-          Expected("nonfinite_param", "optimizer", None, "expert", None, "optimizer_state", step=2, action="raised",
-                   transient=None),
+          Expected("nonfinite_param", "optimizer", "aten.addcdiv_.default", "expert", "optimizer_step", "optimizer_state",
+                   step=2, details=(("parameter", "expert.weight"), ("state", "exp_avg_sq"))),
           reference=False,
           story="Adam with eps=0: a weight with zero gradient gets 0 / sqrt(0) in its first update")
 def _adam_eps0() -> Setup:
     model = LateExpert()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0)
     return Setup(model, opt, [_routed(i) for i in range(STEPS)], routed_loss)
+
+
+# ------------------------------------------------------------- the optimizer's own update
+class GatedExpert(nn.Module):
+    """A shared layer plus an expert weighted by its gate (0: the expert is not routed to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 4)
+        self.expert = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, gate: float) -> torch.Tensor:
+        out = self.shared(x)
+        if gate:
+            out = out + gate * self.expert(x)
+        return out
+
+
+def gated_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y, gate = batch
+    return F.mse_loss(model(x, gate).float(), y)
+
+
+def _gated(gate: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    return torch.randn(16, 8).half(), torch.randn(16, 4) * 30, gate
+
+
+@scenario("fp16_adam_eps_underflow",
+          Expected("nonfinite_param", "optimizer", "aten.addcdiv_.default", "expert", "optimizer_step", "optimizer_state",
+                   details=(("parameter", "expert.weight"), ("state", "exp_avg_sq"), ("float32_replay_finite", True))),
+          reference=False,
+          story="a float16 model with Adam's default eps=1e-8, which rounds to 0 in float16: an expert first routed "
+                "with a small gate has gradients whose square underflows, so exp_avg_sq is 0 and m / (0 + 0) is inf")
+def _fp16_adam() -> Setup:
+    model = GatedExpert().half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return Setup(model, opt, _batches(lambda: _gated(0.0), lambda: _gated(1e-3)), gated_loss)
+
+
+class TinyLARS(torch.optim.Optimizer):
+    """LARS (You et al., 2017) written the short way: no guard for a zero gradient norm."""
+
+    def __init__(self, params: Any, lr: float = 0.1, momentum: float = 0.9, trust_coef: float = 1e-3) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum, trust_coef=trust_coef))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                local_lr = group["trust_coef"] * p.norm() / p.grad.norm()  # <origin:lars_trust_ratio>
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad * local_lr, alpha=group["lr"])
+                p.sub_(buf)
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.encoder(x)))
+
+
+@scenario("lars_trust_ratio_zero_grad_norm",
+          Expected("nonfinite_param", "optimizer", "aten.div.Tensor", "encoder", "lars_trust_ratio", "div_by_zero",
+                   details=(("parameter", "encoder.weight"), ("state", "momentum_buffer"))),
+          reference=False,
+          story="a hand-written LARS divides by the gradient norm, which is 0 for the first layer on an all-zero batch")
+def _lars() -> Setup:
+    model = Encoder()
+    return Setup(model, TinyLARS(model.parameters()), _batches(_xy, lambda: (torch.zeros(4, 8), torch.randint(0, 4, (4,)))),
+                 ce_loss)
+
+
+def resume_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y, checkpoint = batch
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint)  # resume from the checkpoint a diverged run wrote
+    return F.cross_entropy(model(x), y)
+
+
+@scenario("checkpoint_with_nan_loaded_mid_run",
+          Expected("nonfinite_param", None, None, "head", None, "nonfinite_param", action="raised", transient=None),
+          reference=False,
+          story="a checkpoint holding NaN weights is loaded between two steps: not the optimizer's doing")
+def _nan_checkpoint() -> Setup:
+    model = Encoder()
+    checkpoint = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpoint["head.weight"][1, 2] = NAN
+    return Setup(model, torch.optim.Adam(model.parameters(), lr=1e-3),
+                 _batches(lambda: (*_xy(), None), lambda: (*_xy(), checkpoint)), resume_loss)
 
 
 # ----------------------------------------------------------------- low precision (CPU)

@@ -41,3 +41,11 @@ def test_ddp_benchmark_trains_identical_weights_on_two_gloo_ranks(tmp_path):
     assert res["identical_weights"] is True and res["incidents"] == 0
     assert [len(res["raw_times"][v][0]) for v in ("plain", "nantrace")] == [3, 3]
     assert res["guard_steps"] == 1 + 3  # warm-up, then one block
+
+
+def test_update_check_benchmark_keeps_training_identical(tmp_path):
+    res = _run([str(BENCH / "update_check_cost.py"), "--model", "mlp", "--rounds", "2", "--steps", "2", "--threads", "1"],
+               tmp_path)
+    assert res["checked_weights_identical_to_plain"] is True
+    assert res["variants"]["proven"]["held_bytes"] == 0 and res["variants"]["checked"]["held_bytes"] > 0
+    assert res["variants"]["checked"]["incidents"] == res["variants"]["proven"]["incidents"] == 0

@@ -62,19 +62,19 @@ def test_eps_problem(eps: float, dtype: torch.dtype, needle: str | None) -> None
         assert needle in problem  # type: ignore[operator]
 
 
-def test_fp16_state_with_eps_1e_8_is_reported_before_the_nan() -> None:
-    """model.half() + Adam(eps=1e-8): eps is 0 in the float16 state. The warning comes with the
-    first step, before the guard's next check finds the NaN parameters that update wrote."""
+def test_fp16_state_with_eps_1e_8_is_caught_at_the_first_update() -> None:
+    """model.half() + Adam(eps=1e-8): eps is 0 in the float16 state. The very first update divides
+    by it; the guard's update check catches it at that step, names eps, and undoes it (before the
+    dynamics monitor could even see the state: it never survives)."""
     model = relu_mlp(0, width=16).half()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
     guard = train(model, opt, classification_batches(), 6, quiet(), input_dtype=torch.float16)
-    warnings = [i for i in guard.incidents if i.kind == "optimizer_state" and i.action == "logged"]
-    assert len(warnings) == 1
-    w = warnings[0]
-    assert w.step == 0 and w.cause == "optimizer_state" and "rounds to 0 in float16" in w.summary
-    assert "float32" in w.fix and w.details["eps"] == 1e-8
-    first_nan = next(n for n, i in enumerate(guard.incidents) if i.kind.startswith("nonfinite"))
-    assert guard.incidents.index(w) < first_nan
+    first = guard.incidents[0]
+    assert (first.step, first.kind, first.phase, first.cause, first.action) == (
+        0, "nonfinite_param", "optimizer", "optimizer_state", "skipped")
+    assert "rounds to 0 in float16" in first.summary and "float32" in first.fix
+    assert first.details["hyperparameters"]["eps"] == 1e-8 and first.details["state"] == "exp_avg_sq"
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def test_exp_avg_sq_underflow_in_fp16_state_is_reported() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._user_traceback import install_excepthook
 from .config import Config
 from .guard import Guard
 from .response.policies import POLICIES
@@ -62,4 +63,6 @@ def watch(
         raise TypeError(f"nantrace.watch: run_dir must be a path (str or os.PathLike) or None, got {type(run_dir).__name__}")
     if run_dir is not None and os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ValueError(f"nantrace.watch: run_dir {os.fspath(run_dir)!r} exists and is not a directory")
+    if on_anomaly in ("raise", "pause"):
+        install_excepthook()  # an uncaught NonFiniteError is shown ending in the user's frames
     return Guard(model, optimizer, scaler, run_dir=run_dir, on_anomaly=on_anomaly, config=config)

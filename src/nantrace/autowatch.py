@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .config import Config
+from .errors import NonFiniteError
 from .integrations import GuardSession, check_watch_kwargs
 
 __all__ = ["AutoWatch", "ScriptResult", "default_run_dir", "run_script"]
@@ -326,4 +327,10 @@ def _script_traceback(exc: BaseException, script: str) -> str:
             first = tb
             break
         tb = tb.tb_next
+    if isinstance(exc, NonFiniteError):  # ends in the script's frames, followed by the diagnosis
+        from ._user_traceback import diagnosis_lines, user_traceback
+
+        first = user_traceback(first)
+        return "".join(traceback.format_exception(type(exc), exc, first)) + "\n" + "\n".join(
+            diagnosis_lines(exc.incident)) + "\n"
     return "".join(traceback.format_exception(type(exc), exc, first))

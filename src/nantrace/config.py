@@ -25,6 +25,14 @@ class Config:
     check_params: bool = True
     """Check the parameters that the previous update produced (fused into the step's one check)."""
 
+    check_updates: bool = True
+    """Check the optimizer's own update: an update that makes a parameter or the optimizer state
+    non-finite is caught at its step (phase ``optimizer``) and undone. Updates of SGD/Adam/AdamW in
+    float32/float64 are proven finite from the step's gradient and parameter norms at no cost (with
+    ``check_params=False`` there is no parameter norm, so they are checked too); any other update
+    costs one copy of its parameters and state before it and one fused check after it
+    (docs/benchmarks.md)."""
+
     check_inputs: bool = True
     """Check floating-point tensors passed to the watched model's ``forward``."""
 

@@ -62,6 +62,7 @@ from .response.escalation import EscalationLadder
 from .response.policies import action_for
 from .response.precision import PrecisionFallback
 from .response.rollback_policy import RollbackPolicy
+from .response.update_check import UpdateCheck
 from .storage.runstore import RunStore
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -165,6 +166,9 @@ class Guard:
         self._param_names: list[str] = [names.get(id(p), f"param[{i}]") for i, p in enumerate(self._params)]
         self.sharded = any(hasattr(p, "to_local") for p in self._params)
         """Parameters are DTensor shards (FSDP2): norms are combined across ranks; no replay."""
+        self.update_check = UpdateCheck(optimizer, self._params, self._param_names, enabled=config.check_updates) \
+            if optimizer is not None and not self.sharded else None
+        """Checks the optimizer's own updates (phase ``optimizer``) and undoes a non-finite one."""
         self.store: RunStore | None = None
         try:
             if self.run_dir is not None:
@@ -357,12 +361,19 @@ class Guard:
             decision.stashed = [(p, p.grad) for p in self._params]
             for p in self._params:
                 p.grad = None
-        elif self.monitors and not (decision is not None and decision.scaler_skip):
+            return
+        if decision is not None and not decision.scaler_skip and self.update_check is not None:
+            self.update_check.before_update(grad_norm=decision.health.grad_norm, param_norm=decision.health.param_norm)
+        if self.monitors and not (decision is not None and decision.scaler_skip):
             for monitor in self.monitors:
                 monitor.before_update(self.step, self._params)
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.closed or self._in_scaler_step:
+        if self.closed:
+            return
+        if self._decision is not None and not self._decision.block and self.update_check is not None:
+            self._check_update(self._decision)
+        if self._in_scaler_step:
             return
         decision = self._decision
         if decision is None:
@@ -371,6 +382,16 @@ class Guard:
             return
         self._restore_grads(decision)
         self._finish_step(decision)
+
+    def _check_update(self, decision: _Decision) -> None:
+        """After the update: a non-finite result is undone and reported at this step (phase ``optimizer``)."""
+        assert self.update_check is not None
+        failure = self.update_check.after_update()
+        if failure is not None:
+            from .diagnosis.update_replay import optimizer_incident
+
+            decision.incident, decision.block = optimizer_incident(self, failure), True
+            self._report(decision.incident, decision)
 
     def _restore_grads(self, decision: _Decision) -> None:
         if decision.stashed is not None:
@@ -758,6 +779,8 @@ class Guard:
         self.precision.close()
         if self.rollback is not None:
             self.rollback.close()
+        if self.update_check is not None:
+            self.update_check.close()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -95,12 +95,15 @@ def _divergence_finding(d: Divergence, step: int) -> Finding:
 def _nonfinite(health: StepHealth, *, step: int, scaler_active: bool, last_applied: int | None) -> Finding | None:
     """The finding for a step whose sentinel figures hold a non-finite value (``None`` otherwise)."""
     if not health.params_finite:
-        if last_applied is None:
-            summary, fix = explain("nonfinite_param")
-            return Finding(step, "nonfinite_param", None, "nonfinite_param", None, summary, fix)
-        summary, fix = explain("optimizer_state", detail=f"the update of step {last_applied}")
-        return Finding(last_applied, "nonfinite_param", "optimizer", "optimizer_state", None, summary, fix,
-                       details={"detected_at_step": step})
+        # An update that makes parameters non-finite is caught and undone at its own step
+        # (response/update_check.py): parameters that are non-finite here were made so between
+        # steps (a checkpoint loaded mid-run, an in-place write) or before training.
+        detail = "" if last_applied is None else (
+            f"the update of step {last_applied} left it finite, so it changed between steps: a checkpoint "
+            "loaded mid-run or an in-place write")
+        summary, fix = explain("nonfinite_param", detail=detail)
+        return Finding(step, "nonfinite_param", None, "nonfinite_param", None, summary, fix,
+                       details={"last_update": last_applied} if last_applied is not None else {})
     if not health.inputs_finite:
         summary, fix = explain("nonfinite_input", detail="in the tensors passed to the model's forward")
         return Finding(step, "nonfinite_input", "data", "nonfinite_input", None, summary, fix)

@@ -25,7 +25,8 @@ def action_for(policy: str, finding: "Finding | None", *, finite_trouble: bool, 
         return "paused"
     if policy == "rollback":
         return "rolled_back"
-    if finding is not None and finding.kind == "nonfinite_param":
-        # The parameters are already non-finite: dropping this update cannot repair them.
+    if finding is not None and finding.kind == "nonfinite_param" and finding.phase != "optimizer":
+        # The parameters are already non-finite: dropping this update cannot repair them (an update
+        # that made them so is undone by the update check, so skipping it does).
         return "raised"
     return "skipped"

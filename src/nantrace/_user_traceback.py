@@ -1,0 +1,114 @@
+"""Tracebacks for humans: a ``NonFiniteError`` is shown ending in the user's own frames.
+
+Under ``on_anomaly="raise"``/``"pause"`` the error is raised deep inside nantrace, called from
+torch's hook machinery inside ``optimizer.step()`` or ``loss.backward()``. Those frames say
+nothing to the user, and a dozen of them push the line that matters (their ``step()`` call)
+out of sight. As pytest hides its own frames when it shows a failure, nantrace hides its own
+and torch's *below the user's last frame* when a ``NonFiniteError`` is shown, then prints the
+diagnosis:
+
+- :func:`user_traceback` trims a traceback chain (``tb_next`` is writable) to the user's frames;
+- :func:`install_excepthook` (called by ``nantrace.watch``, once per process) chains a
+  ``sys.excepthook`` that does so for an uncaught ``NonFiniteError`` and hands every other
+  exception to the hook it found, untouched;
+- ``nantrace run`` trims the same way (``autowatch``).
+
+Usage::
+
+    Traceback (most recent call last):
+      File "train.py", line 41, in <module>
+        optimizer.step()
+    nantrace.errors.NonFiniteError: nantrace: nonfinite_loss at step 812 in aten.log.default ...
+
+    nantrace diagnosis · step 812 · nonfinite_loss · raised
+      op       aten.log.default in module 'head'
+      source   model.py:27
+      cause    log_nonpositive
+      fix      Clamp the argument first, ...
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from .errors import NonFiniteError
+
+__all__ = ["diagnosis_lines", "install_excepthook", "user_traceback"]
+
+_NANTRACE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_USER_CODE_IN_NANTRACE = (_NANTRACE_DIR + "demo" + os.sep,)  # the demo's model is user code
+
+
+def _internal(tb: TracebackType, *, torch_too: bool) -> bool:
+    name = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    if name.startswith(_NANTRACE_DIR) and not name.startswith(_USER_CODE_IN_NANTRACE):
+        return True
+    return torch_too and name.startswith(_TORCH_DIR)
+
+
+def user_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` without nantrace's frames anywhere and without torch's after the user's last frame.
+
+    Relinks the chain in place and returns its new head; unchanged when no user frame is in it.
+    """
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    users = [i for i, e in enumerate(entries) if not _internal(e, torch_too=True)]
+    if not users:
+        return entries[0] if entries else None
+    kept = [e for e in entries[: users[-1] + 1] if not _internal(e, torch_too=False)]
+    for outer, inner in zip(kept, kept[1:]):
+        outer.tb_next = inner
+    kept[-1].tb_next = None
+    return kept[0]
+
+
+def diagnosis_lines(incident: Any) -> list[str]:
+    """The diagnosis, a few plain lines to follow the traceback."""
+    phase = f" · phase {incident.phase}" if incident.phase else ""
+    lines = [f"nantrace diagnosis · step {incident.step} · {incident.kind}{phase} · {incident.action}"]
+    if incident.op:
+        where = "" if incident.module is None else (" in the model's top-level forward" if incident.module == ""
+                                                    else f" in module '{incident.module}'")
+        lines.append(f"  op       {incident.op}{where}")
+    elif incident.module:
+        lines.append(f"  module   {incident.module}")
+    if incident.source:
+        lines.append(f"  source   {incident.source}")
+    lines.append(f"  cause    {incident.cause}")
+    lines.append(f"  what     {incident.summary}")
+    lines.append(f"  fix      {incident.fix}")
+    if incident.bundle:
+        lines.append(f"  bundle   {incident.bundle}  (re-run it with: nantrace replay {incident.bundle})")
+    return lines
+
+
+def _excepthook(previous: Any) -> Any:
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if not isinstance(exc, NonFiniteError):
+            previous(exc_type, exc, tb)
+            return
+        tb = user_traceback(tb)
+        exc.__traceback__ = tb
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        sys.stderr.write(text + "\n" + "\n".join(diagnosis_lines(exc.incident)) + "\n")
+        sys.stderr.flush()
+
+    hook._nantrace = True  # type: ignore[attr-defined]
+    hook.previous = previous  # type: ignore[attr-defined]
+    return hook
+
+
+def install_excepthook() -> None:
+    """Chain nantrace's ``sys.excepthook`` (once per process; only ``NonFiniteError`` is affected)."""
+    if not getattr(sys.excepthook, "_nantrace", False):
+        sys.excepthook = _excepthook(sys.excepthook)

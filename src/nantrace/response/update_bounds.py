@@ -1,0 +1,129 @@
+"""When can an optimizer update be trusted to stay finite without checking it?
+
+Checking every update after the fact (and undoing a bad one) needs a copy of the weights and
+the optimizer state before the update: a memory pass as large as the optimizer's own, every
+step. For the optimizers whose update rule we know, an interval bound proves the update finite
+from figures the step's one check has already read (the global gradient and parameter norms,
+each an upper bound of every element) and a running bound of the optimizer state. Only updates
+that are not proven are copied and checked (:mod:`nantrace.response.update_check`).
+
+The bound covers exactly ``torch.optim.SGD``, ``Adam`` and ``AdamW`` (not subclasses: they may
+override ``step``) with float32/float64 parameters. Everything else (custom optimizers, LARS,
+LAMB, NAdam, float16/bfloat16 state, eps that the state's dtype cannot hold, state loaded from
+elsewhere) is "not proven" and gets checked.
+
+Usage::
+
+    bound = StateBound.for_optimizer(optimizer)          # 0.0, or None if state already exists
+    reason = update_risk(optimizer, group, grad=9.1, param=120.0, state=bound.value)
+    # None: this group's update cannot create NaN/Inf; else a sentence saying why it might
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["StateBound", "next_state_bound", "update_risk"]
+
+_MARGIN = 16.0
+"""Bounds must stay below ``finfo.max / _MARGIN``: room for the rounding of every op of the update."""
+
+_ADAM = (torch.optim.Adam, torch.optim.AdamW)
+_SAFE_DTYPES = (torch.float32, torch.float64)
+
+
+class StateBound:
+    """An upper bound of every element of an optimizer's state (for second moments, of their
+    square roots); ``None`` when unknown (state that existed before watching, or was loaded)."""
+
+    def __init__(self, value: float | None) -> None:
+        self.value = value
+
+    @classmethod
+    def for_optimizer(cls, optimizer: torch.optim.Optimizer) -> "StateBound":
+        has_state = any(isinstance(v, torch.Tensor) and v.dim() > 0 for s in optimizer.state.values() for v in s.values())
+        return cls(None if has_state else 0.0)
+
+    def from_norms(self, norms: list[float]) -> None:
+        """Seed the bound from measured L2 norms of state tensors (``max(n, √n)`` bounds both an
+        element and the square root of a second-moment element)."""
+        self.value = max([max(n, math.sqrt(n)) for n in norms if math.isfinite(n)], default=0.0)
+
+
+def _number(x: Any) -> float | None:
+    """A hyper-parameter as a float, ``None`` if it is a device tensor (reading it would sync)."""
+    if isinstance(x, torch.Tensor):
+        return float(x) if x.device.type == "cpu" and x.numel() == 1 else None
+    if isinstance(x, (int, float)):
+        return float(x)
+    return None
+
+
+def _dtype_problem(group: dict[str, Any]) -> tuple[str | None, torch.dtype]:
+    dtypes = {p.dtype for p in group["params"]}
+    bad = [d for d in dtypes if d not in _SAFE_DTYPES]
+    if bad:
+        return f"{str(bad[0]).removeprefix('torch.')} parameters and state", bad[0]
+    if any(p.is_sparse or p.is_complex() for p in group["params"]):
+        return "sparse or complex parameters", torch.float32
+    return None, min(dtypes, key=lambda d: torch.finfo(d).max) if dtypes else torch.float32
+
+
+def update_risk(optimizer: torch.optim.Optimizer, group: dict[str, Any], *, grad: float | None,
+                param: float | None, state: float | None) -> str | None:
+    """Why the update of ``group`` might create a non-finite value; ``None`` when it cannot.
+
+    ``grad`` and ``param`` bound every gradient and parameter element of this step (the global
+    L2 norms), ``state`` every optimizer-state element (:class:`StateBound`).
+    """
+    kind = type(optimizer)
+    if kind not in _ADAM and kind is not torch.optim.SGD:
+        return f"{kind.__name__}'s update rule is not one nantrace can bound"
+    problem, dtype = _dtype_problem(group)
+    if problem is not None:
+        return problem
+    if state is None:
+        return "the optimizer state was not produced under watch (loaded or pre-existing)"
+    if grad is None or param is None or not (math.isfinite(grad) and math.isfinite(param)):
+        return "no finite gradient and parameter norms to bound the update with"
+    lr, wd = _number(group.get("lr")), _number(group.get("weight_decay", 0.0))
+    if lr is None or wd is None or not (math.isfinite(lr) and math.isfinite(wd)):
+        return "lr or weight_decay is not a finite host number"
+    limit = torch.finfo(dtype).max / _MARGIN
+    lr, wd = abs(lr), abs(wd)
+    if kind in _ADAM:
+        b1, b2 = (_number(b) for b in group["betas"])
+        eps = _number(group.get("eps"))
+        if b1 is None or b2 is None or not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            return f"betas={group['betas']} outside [0, 1)"
+        if eps is None or not eps >= torch.finfo(dtype).tiny:
+            return f"eps={group.get('eps')} is not a positive normal {str(dtype).removeprefix('torch.')}"
+        g = grad + (0.0 if group.get("decoupled_weight_decay") or kind is torch.optim.AdamW else wd * param)
+        b = max(state, g)                       # |m| and sqrt(v), before and after the update
+        step = lr * b / ((1.0 - b1) * eps)      # |lr · m̂ / (sqrt(v̂) + eps)|
+        worst = max(b * b, step + param * (1.0 + lr * wd))
+    else:
+        mu, damp = _number(group.get("momentum", 0.0)), _number(group.get("dampening", 0.0))
+        if mu is None or damp is None or not (0.0 <= mu < 1.0) or not math.isfinite(damp):
+            return f"momentum={group.get('momentum')} outside [0, 1)"
+        g = grad + wd * param
+        buf = mu * state + max(1.0, abs(1.0 - damp)) * g  # the first step copies g undamped
+        direction = (g + mu * buf) if group.get("nesterov") else (buf if mu else g)
+        worst = max(buf, param + lr * direction)
+    if not worst <= limit:
+        return f"the update's bound ({worst:.3g}) comes near the largest {str(dtype).removeprefix('torch.')}"
+    return None
+
+
+def next_state_bound(optimizer: torch.optim.Optimizer, group: dict[str, Any], *, grad: float, param: float,
+                     state: float) -> float:
+    """The state bound after a proven update of ``group`` (:func:`update_risk` returned ``None``)."""
+    wd = abs(_number(group.get("weight_decay", 0.0)) or 0.0)
+    if type(optimizer) in _ADAM:
+        adamw = group.get("decoupled_weight_decay") or type(optimizer) is torch.optim.AdamW
+        return max(state, grad + (0.0 if adamw else wd * param))
+    mu, damp = _number(group.get("momentum", 0.0)) or 0.0, _number(group.get("dampening", 0.0)) or 0.0
+    return mu * state + max(1.0, abs(1.0 - damp)) * (grad + wd * param) if mu else state

@@ -1,0 +1,239 @@
+"""The optimizer phase: an update that makes a parameter or the optimizer state non-finite is
+caught at the step that made it, and undone bit for bit.
+
+The guard checks gradients, loss and parameters *before* ``optimizer.step()``; this module
+covers the update itself. Per parameter group, before the update:
+
+- **proven**: the update rule is known and its interval bound stays far from the dtype's
+  range (:func:`~nantrace.response.update_bounds.update_risk`, from figures the step's check
+  has already read): nothing is copied, nothing is read after the update;
+- **not proven** (a custom, LARS/LAMB-style optimizer, float16 state, an eps the state's dtype
+  cannot hold, state loaded from elsewhere): the group's parameters and optimizer state are
+  copied into reused buffers (one ``_foreach_copy_``) and, after the update, checked with one
+  fused reduction and one host read. A non-finite result is undone from the copies, in place,
+  state dict keys included.
+
+The verdict right after each update (:attr:`UpdateCheck.finite_after_update`) is what tells an
+optimizer-made failure (phase ``optimizer``, here) from a parameter that turned non-finite
+between steps (a checkpoint loaded mid-run, an in-place write: ``nonfinite_param`` with phase
+``None``, at the next step's check).
+
+Usage::
+
+    check = UpdateCheck(optimizer, params, names)
+    check.before_update(grad_norm=9.1, param_norm=120.0)   # in the step pre-hook, update allowed
+    optimizer.step()
+    failure = check.after_update()                          # in the step post-hook
+    if failure is not None:                                 # already undone; evidence inside
+        print(failure.param_name, failure.nonfinite_state)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from .update_bounds import StateBound, next_state_bound, update_risk
+
+__all__ = ["UpdateCheck", "UpdateFailure"]
+
+
+@dataclasses.dataclass
+class UpdateFailure:
+    """What a checked update made non-finite (already undone when this is returned)."""
+
+    param_index: int
+    """Index (in the guard's parameter list) of the first parameter whose update went bad."""
+    param_name: str
+    nonfinite_params: list[dict[str, Any]]
+    nonfinite_state: list[dict[str, Any]]
+    """``{"param", "state", "nan", "inf", "numel", "shape"}`` per non-finite state tensor."""
+    unproven: list[str]
+    """Why the update was checked (one reason per parameter group that was not proven)."""
+
+
+@dataclasses.dataclass
+class _Saved:
+    """One parameter's pre-update values: the tensor, its state dict's layout and copies."""
+
+    param: torch.Tensor
+    index: int
+    state: dict[Any, Any] | None
+    """The state dict's entries before the update (tensors: the live object), ``None`` if absent."""
+
+
+def _counts(name: str, t: torch.Tensor) -> dict[str, Any]:
+    t = t.detach()
+    return {"name": name, "nan": int(torch.isnan(t).sum()), "inf": int(torch.isinf(t).sum()),
+            "numel": t.numel(), "shape": list(t.shape)}
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[float]:
+    """Per-tensor float32 L2 norms, one host read (NaN/Inf propagate)."""
+    if not tensors:
+        return []
+    try:
+        norms = list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    except (RuntimeError, TypeError):
+        norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+    device = norms[0].device
+    return torch.stack([n.to(device) for n in norms]).tolist()  # the update check's one host read
+
+
+class UpdateCheck:
+    """Checks the optimizer updates that cannot be proven finite; undoes a bad one.
+
+    ``params``/``names`` are the guard's parameter list and names (for indices and reports).
+    Installs one hook (``optimizer.register_load_state_dict_post_hook``: loaded state is not
+    trusted until checked once); :meth:`close` removes it.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], names: list[str],
+                 *, enabled: bool = True) -> None:
+        self.optimizer = optimizer
+        self.enabled = enabled
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._names = names
+        self.bound = StateBound.for_optimizer(optimizer)
+        self._saved: list[_Saved] = []
+        self._copies: list[torch.Tensor] = []
+        self._sources: list[torch.Tensor] = []
+        self._pool: dict[tuple[int, torch.Size, torch.dtype, torch.device], torch.Tensor] = {}
+        self._proven: list[tuple[dict[str, Any], float, float]] = []
+        self._reasons: list[str] = []
+        self._armed = False
+        self.finite_after_update: bool | None = None
+        """Parameters and state right after the last update: True when proven or checked finite,
+        False when it was undone, None before any update (or when checking is off)."""
+        self.last_reasons: list[str] = []
+        """Why the last update was checked (empty: every group was proven)."""
+        self._handle = optimizer.register_load_state_dict_post_hook(self._state_loaded) if enabled else None
+
+    # ------------------------------------------------------------------ before
+    def before_update(self, *, grad_norm: float | None, param_norm: float | None) -> None:
+        """Decide per group (proven, or copy for a check); called right before an allowed update."""
+        self._armed = False
+        if not self.enabled:
+            return
+        self._saved, self._sources, self._proven, self._reasons = [], [], [], []
+        state_bound = self.bound.value
+        for group in self.optimizer.param_groups:
+            reason = update_risk(self.optimizer, group, grad=grad_norm, param=param_norm, state=state_bound)
+            if reason is None:
+                self._proven.append((group, grad_norm or 0.0, param_norm or 0.0))
+                continue
+            self._reasons.append(reason)
+            for p in group["params"]:
+                self._save(p)
+        pool, self._pool = self._pool, {}  # only this step's buffers stay (none when all is proven)
+        self._copies = [self._buffer(pool, i, t) for i, t in enumerate(self._sources)]
+        if self._copies:
+            torch._foreach_copy_(self._copies, self._sources)
+        self._armed = True
+
+    def _save(self, p: torch.Tensor) -> None:
+        state = self.optimizer.state.get(p)
+        saved = _Saved(p, self._index.get(id(p), -1), None if state is None else dict(state))
+        self._sources.append(p.detach())
+        if saved.state is not None:
+            for key, value in saved.state.items():
+                if isinstance(value, torch.Tensor):
+                    self._sources.append(value.detach())
+                else:
+                    saved.state[key] = copy.deepcopy(value)
+        self._saved.append(saved)
+
+    def _buffer(self, pool: dict[Any, torch.Tensor], slot: int, t: torch.Tensor) -> torch.Tensor:
+        """A copy buffer for source ``slot``, reused from the last step when its layout still fits."""
+        key = (slot, t.shape, t.dtype, t.device)
+        buf = pool.get(key)
+        if buf is None:
+            buf = torch.empty_like(t, memory_format=torch.contiguous_format)
+        self._pool[key] = buf
+        return buf
+
+    # ------------------------------------------------------------------ after
+    def after_update(self) -> UpdateFailure | None:
+        """Check the copied groups after the update (one host read); undo and report a bad one."""
+        if not self._armed:
+            return None
+        self._armed = False
+        self.last_reasons = self._reasons
+        state_bound = self.bound.value
+        for group, grad, param in self._proven:
+            state_bound = next_state_bound(self.optimizer, group, grad=grad, param=param, state=state_bound or 0.0)
+        if not self._saved:
+            self.bound.value = state_bound
+            self.finite_after_update = True
+            return None
+        params = [s.param.detach() for s in self._saved]
+        state = [(s, key, t.detach()) for s in self._saved for key, t in self.optimizer.state.get(s.param, {}).items()
+                 if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+        norms = _norms(params + [t for _, _, t in state])
+        bad = [not math.isfinite(n) and not _finite(t) for n, t in zip(norms, params + [t for _, _, t in state])]
+        if not any(bad):
+            self.finite_after_update = True
+            measured = [n for n, (_, _, t) in zip(norms[len(params):], state) if t.dim() > 0]
+            self.bound.from_norms(measured)
+            if state_bound is not None and self.bound.value is not None:
+                self.bound.value = max(self.bound.value, state_bound)
+            return None
+        failure = self._failure(bad[:len(params)], [st for st, b in zip(state, bad[len(params):]) if b])
+        self.undo()
+        self.finite_after_update = False
+        return failure
+
+    def _failure(self, bad_params: list[bool], bad_state: list[tuple[_Saved, Any, torch.Tensor]]) -> UpdateFailure:
+        nonfinite_params = [_counts(self._name(s), s.param) for s, b in zip(self._saved, bad_params) if b]
+        nonfinite_state = []
+        for saved, key, t in bad_state:
+            entry = _counts(self._name(saved), t)
+            nonfinite_state.append({"param": entry.pop("name"), "state": str(key), **entry})
+        first = next(s for s, b in zip(self._saved, bad_params) if b) if any(bad_params) else bad_state[0][0]
+        return UpdateFailure(first.index, self._name(first), nonfinite_params, nonfinite_state, list(self._reasons))
+
+    def _name(self, saved: _Saved) -> str:
+        return self._names[saved.index] if 0 <= saved.index < len(self._names) else f"param[{saved.index}]"
+
+    def undo(self) -> None:
+        """Put the copied parameters and optimizer state back as they were before the update."""
+        it = iter(self._copies)
+        with torch.no_grad():
+            for saved in self._saved:
+                saved.param.copy_(next(it))
+                if saved.state is None:
+                    self.optimizer.state.pop(saved.param, None)
+                    continue
+                restored = {}
+                for key, value in saved.state.items():
+                    if isinstance(value, torch.Tensor):
+                        value.copy_(next(it))
+                        restored[key] = value
+                    else:
+                        restored[key] = copy.deepcopy(value)
+                self.optimizer.state[saved.param] = restored
+
+    # ------------------------------------------------------------------ housekeeping
+    def _state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        self.bound.value = None  # loaded state is trusted only after one checked update
+
+    @property
+    def held_bytes(self) -> int:
+        """Memory held by the copies (0 while every update is proven)."""
+        return sum(b.numel() * b.element_size() for b in self._pool.values())
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._pool.clear()
+        self._copies, self._saved, self._sources = [], [], []
+        self._armed = False
