@@ -146,7 +146,9 @@ def test_collapse_from_the_first_step_in_the_loss_function(quiet):
         (0, "scaler_collapse", "scaler_collapse", "skipped"), (8, "scaler_collapse", "scaler_collapse", "paused")]
     first = guard.incidents[0]
     assert first.details["count"] == 8 and first.details["consecutive_skips"] == 1
-    assert "loss computation outside the model" in first.summary
+    # the loss tape names the op in the loss code whose derivative is singular (no guard.replayable)
+    assert (first.op, first.module, first.details["origin_cause"]) == ("aten.sqrt.default", None, "grad_singularity")
+    assert "in the loss function" in first.summary
     assert guard.incidents[1].details["escalation"]["reason"].startswith("8 consecutive skipped updates")
 
 

@@ -278,7 +278,11 @@ def _scenarios() -> Any:
 # these are compared with the expectation of their replayable twin.
 TWIN = {"cross_entropy_all_ignored_zero_intrusive": "cross_entropy_all_ignored_in_loss_fn",
         "rmse_loss_at_perfect_fit_zero_intrusive": "rmse_loss_at_perfect_fit"}
-NOT_ORACLE = {"transient_fault_not_reproduced": "a transient fault needs a re-run of the step; the oracle runs it once"}
+NOT_ORACLE = {
+    "transient_fault_not_reproduced": "a transient fault needs a re-run of the step; the oracle runs it once",
+    "checkpoint_with_nan_loaded_mid_run": "a parameter corrupted between steps: the oracle watches ops, not the user's loads",
+}
+OPTIMIZER_PHASE = "the optimizer's update: checked against its own float64 replay in tests/test_optimizer_phase.py"
 
 
 def _scenario_names() -> list[str]:
@@ -295,6 +299,8 @@ def test_oracle_agrees_with_hand_written_scenarios(name: str) -> None:
     scenarios = _scenarios()
     scn = scenarios.SCENARIOS[name]
     expected = scenarios.SCENARIOS[TWIN.get(name, name)].expected
+    if expected is not None and expected.phase == "optimizer":
+        pytest.skip(OPTIMIZER_PHASE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         verdict = cause_oracle.decide(scenarios.build(scn))

@@ -130,6 +130,7 @@ class Guard:
         self._handles: list[Any] = []
         self._scaler_originals: dict[str, Any] = {}
         self._tape = LossTape() if config.record_loss_code else None
+        self._pending_exception: BaseException | None = None
         self._capture = self._new_capture()
         self._decision: _Decision | None = None
         self._in_scaler_step = False
@@ -204,7 +205,7 @@ class Guard:
         INTERCEPTOR.add(id(self), self._on_loss)
         EXCEPTHOOK.add(id(self), self.diagnose_exception)
         if self._tape is not None:
-            self._tape.on_exception = self.diagnose_exception
+            self._tape.on_exception = self.note_exception
         self.checks_local_grads = self.world_size > 1 and install_local_grad_check(self)
 
     def _write_meta(self) -> None:
@@ -250,7 +251,7 @@ class Guard:
 
     def _forward_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if output is None and sys.exc_info()[1] is not None:  # the forward raised (an always-called hook)
-            self.diagnose_exception(sys.exc_info()[1])  # type: ignore[arg-type]
+            self.note_exception(sys.exc_info()[1])  # type: ignore[arg-type]
             return
         if self.closed or self._replaying or not torch.is_grad_enabled() or not self._capture.forwards:
             return
@@ -326,6 +327,8 @@ class Guard:
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if self._tape is not None:
             self._tape.pause()
+        if self._pending_exception is not None:  # the user caught a failure of this step and went on
+            self.diagnose_exception(self._pending_exception)
         if self.closed:
             return None
         if self._in_scaler_step:
@@ -571,6 +574,17 @@ class Guard:
         self._bundles_written += 1
 
     # ------------------------------------------------------------ failures that raise
+    def note_exception(self, exc: BaseException) -> None:
+        """Remember an exception the step raised, to diagnose once it has left torch's machinery.
+
+        Called where it is raised (the model's forward, a call of the loss code): replaying there
+        would register hooks on modules whose hook tables torch is iterating. The diagnosis runs at
+        the next safe point: ``with guard:`` exit, an uncaught exception (``sys.excepthook``),
+        ``nantrace run``, the framework callbacks, the next ``optimizer.step()`` or ``close()``.
+        """
+        if not self.closed and not self._replaying and isinstance(exc, Exception) and self._pending_exception is None:
+            self._pending_exception = exc
+
     def diagnose_exception(self, exc: BaseException, *, announce: bool = True) -> Incident | None:
         """Diagnose an exception the current step raised (called by nantrace's own hooks: the
         model's forward, the loss code, ``with guard:`` and an uncaught exception).
@@ -581,6 +595,8 @@ class Guard:
         Anything else returns ``None``. Each exception is diagnosed once. ``announce=False``
         keeps it from being printed (the caller prints it, e.g. after the traceback).
         """
+        if exc is self._pending_exception:
+            self._pending_exception = None
         if self.closed or self._replaying or not isinstance(exc, Exception) or isinstance(exc, NonFiniteError):
             return None
         if getattr(exc, "_nantrace_seen", False):
@@ -771,6 +787,8 @@ class Guard:
         """Remove every hook and restore the scaler; idempotent."""
         if self.closed:
             return
+        if self._pending_exception is not None:  # e.g. a try/finally that closes the guard as a failure propagates
+            self.diagnose_exception(self._pending_exception)
         if self._data_inbox:
             self._flush_data_incidents()
         self.closed = True

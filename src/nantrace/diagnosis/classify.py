@@ -23,7 +23,7 @@ import torch
 from ..localisation.origin import Origin
 from ..localisation.tracer import OpInfo, OpRecord, tensor_stats
 from . import evidence as ev
-from .history import divergence
+from .history import Trend, divergence
 from .patterns import short_op
 
 LOG_OPS = {"log", "log2", "log10", "log1p", "lgamma", "digamma", "polygamma", "xlogy", "special_xlog1py", "mvlgamma",
@@ -99,7 +99,8 @@ def _pointwise(func: Any) -> bool:
 
 def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | None,
              param_modules: dict[str, str], ignored_targets: tuple[int, int] | None = None,
-             made_by: Any = None, history: list[dict[str, Any]] | None = None) -> Classification:
+             made_by: Any = None, history: list[dict[str, Any]] | None = None,
+             divergence_seen: dict[str, Any] | None = None) -> Classification:
     """The cause of the failure that ``origin`` describes.
 
     ``observed_in`` is ``"forward"`` (the loss/outputs were non-finite) or ``"backward"``
@@ -107,7 +108,8 @@ def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | N
     float32 re-run (True: finite there). ``ignored_targets`` is ``(count, ignore_index)``
     when the replay saw an NLL loss whose targets were all ignored; ``made_by`` maps each
     tensor the replay made to its op (provenance); ``history`` is the flight recorder's
-    recent steps (loss, gradient norm), used to recognise a divergence.
+    recent steps (loss, gradient norm), used to recognise a divergence; ``divergence_seen`` is
+    the live divergence detector's evidence when it had flagged the run before it broke.
     """
     if origin.external is not None:
         ext = origin.external.external or ""
@@ -143,7 +145,7 @@ def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | N
         cause, detail, facts = "where_gradient_trap", _unselected_detail(rec), {}
     else:
         cause, detail, facts = _forward_cause(rec, ctx)
-    cause, detail = _with_history(cause, detail, ctx.history, facts)
+    cause, detail = _with_history(cause, detail, ctx.history, facts, divergence_seen)
     if cause == "where_gradient_trap" and backward and fwd is not None:
         # named by the forward op that made the non-finite value in the unselected branch
         base.update(phase="forward", module=fwd.module, source=fwd.source)
@@ -687,14 +689,30 @@ def _singular_detail(short: str, xs: torch.Tensor) -> str:
 
 
 # ------------------------------------------------------------------------------- history
+def _detected(seen: dict[str, Any] | None) -> Trend | None:
+    """The live divergence detector's evidence as a trend (it judged growth rate and fit step by step)."""
+    if not seen or "since_step" not in seen or "start_value" not in seen:
+        return None
+    end = seen.get("last_value", seen.get("value"))
+    try:
+        series = str(seen.get("series", "loss"))
+        steps = int(seen["steps"]) if "steps" in seen else None
+        start_step = int(seen["since_step"])
+        return Trend(series, start_step, start_step + steps if steps is not None else start_step,
+                     float(seen["start_value"]), float(end))
+    except (TypeError, ValueError):
+        return None
+
+
 _SYMPTOMS = {"overflow", "exp_overflow", "precision_overflow", "gradient_explosion"}
 
 
-def _with_history(cause: str, detail: str, history: list[dict[str, Any]], facts: dict[str, Any]) -> tuple[str, str]:
+def _with_history(cause: str, detail: str, history: list[dict[str, Any]], facts: dict[str, Any],
+                  seen: dict[str, Any] | None = None) -> tuple[str, str]:
     """An overflow at the end of a divergence is the divergence: say so, with the growth."""
-    if cause not in _SYMPTOMS or not history:
+    if cause not in _SYMPTOMS:
         return cause, detail
-    trend = divergence(history)
+    trend = _detected(seen) or (divergence(history) if history else None)
     if trend is None:
         return cause, detail
     facts["divergence"] = trend.to_dict()

@@ -42,6 +42,8 @@ class Trend:
 
     def describe(self) -> str:
         what = "the loss" if self.series == "loss" else "the gradient norm"
+        if self.steps <= 0:  # the live detector's evidence carries no end step
+            return f"the run was diverging: {what} grew {self.start:.3g} → {self.end:.3g} since step {self.start_step}"
         return (f"the run was diverging: {what} grew {self.start:.3g} → {self.end:.3g} over {self.steps} steps "
                 f"(×{self.per_step:.2g} per step since step {self.start_step})")
 

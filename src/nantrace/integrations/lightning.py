@@ -88,6 +88,8 @@ class NanTraceCallback(SessionCallback, pl.Callback):
         self._close()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.guard is not None:  # a bad value that made the step raise: diagnosed before the guard closes
+            self.guard.diagnose_exception(exception)
         self._close()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

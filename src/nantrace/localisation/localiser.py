@@ -183,7 +183,8 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
     origin = trace_back(start)
     cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=param_modules(guard),
                    ignored_targets=tracer.ignored_targets if tracer is not None else None,
-                   made_by=tracer.made_by if tracer is not None else None, history=incident.history)
+                   made_by=tracer.made_by if tracer is not None else None, history=incident.history,
+                   divergence_seen=incident.details.get("divergence"))
     _apply(incident, cls, origin, replayable=replayable)
 
 
