@@ -23,10 +23,10 @@ _EXPORTS = {
     "Guard": ".guard",
     "Config": ".config",
     "Incident": ".incident",
-    "KINDS": ".incident",
-    "CAUSES": ".incident",
-    "PHASES": ".incident",
-    "ACTIONS": ".incident",
+    "KINDS": ".taxonomy",
+    "CAUSES": ".taxonomy",
+    "PHASES": ".taxonomy",
+    "ACTIONS": ".taxonomy",
     "NonFiniteError": ".errors",
     "replay": "._replay",
 }
@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from .config import Config
     from .errors import NonFiniteError
     from .guard import Guard
-    from .incident import ACTIONS, CAUSES, KINDS, PHASES, Incident
+    from .incident import Incident
+    from .taxonomy import ACTIONS, CAUSES, KINDS, PHASES
     from ._replay import replay
     from ._watch import watch
 

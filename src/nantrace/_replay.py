@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .taxonomy import Action
 from .capture import StepCapture
 from .config import Config
 from .incident import Incident
@@ -86,7 +87,7 @@ def _received_from(bundle: Bundle) -> Incident | None:
     hint = f" (under {sibling})" if sibling is not None and sibling.is_dir() else ""
     return Incident(
         step=saved.step, kind=saved.kind, phase=saved.phase, op=None, module=None, source=None, rank=source,
-        cause=saved.cause, transient=None, action="logged", bundle=str(bundle.path),
+        cause=saved.cause, transient=None, action=Action.LOGGED, bundle=str(bundle.path),
         summary=(f"The non-finite values of step {saved.step} came from rank {source}: rank {writer} only received "
                  "them through the gradient all-reduce, so there is nothing of its own to replay."),
         fix=f"Replay the bundle written by rank {source}{hint}, which holds the batch and state that produced them.",
@@ -107,12 +108,12 @@ def replay(bundle_dir: str | os.PathLike[str], model: nn.Module | str | None = N
         raise ValueError(f"bundle {str(bundle_dir)!r} holds no captured forward to replay")
     net = build_model(bundle, model)
     saved = bundle.incident
-    cfg = (config or Config()).replace(print_incidents=False, save_bundle=False)
+    cfg = (config or Config()).replace(outputs={"print_incidents": False, "save_bundle": False})
     guard = watch(net, config=cfg)
     try:
         incident = Incident(
             step=saved.step, kind=saved.kind, phase=None, op=None, module=None, source=None, rank=saved.rank,
-            cause="unknown", summary=saved.summary, fix=saved.fix, action="logged",
+            cause="unknown", summary=saved.summary, fix=saved.fix, action=Action.LOGGED,
             details={"replayed_from": str(bundle.path)},
         )
         capture = StepCapture(forwards=list(bundle.forwards), tape=bundle.tape)
@@ -121,7 +122,7 @@ def replay(bundle_dir: str | os.PathLike[str], model: nn.Module | str | None = N
         if saved.kind == "exception":  # the step raised: replay it until it raises again
             from .localisation.exceptions import diagnose_exception
 
-            incident.kind, incident.action = "exception", "raised"
+            incident.kind, incident.action = "exception", Action.RAISED
             if not diagnose_exception(guard, incident, capture, None):
                 incident.summary = (f"{saved.summary} (Replaying the bundle did not raise again: the exception came from "
                                     "code the bundle does not hold, such as the loss code.)")

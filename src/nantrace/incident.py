@@ -12,53 +12,9 @@ import time
 import uuid
 from typing import Any
 
-KINDS = (
-    "nonfinite_loss",
-    "nonfinite_grad",
-    "nonfinite_param",
-    "nonfinite_input",
-    "nonfinite_activation",
-    "loss_spike",
-    "grad_explosion",
-    "scaler_collapse",
-    "optimizer_state",
-    "exception",
-    "grad_growth",
-    "update_ratio",
-    "vanishing_gradient",
-    "lr_schedule",
-    "clipping",
-    "logit_saturation",
-)
-PHASES = ("data", "forward", "backward", "optimizer")
-ACTIONS = ("skipped", "raised", "rolled_back", "paused", "logged")
-CAUSES = (
-    "nonfinite_input",
-    "label_out_of_range",
-    "nonfinite_param",
-    "log_nonpositive",
-    "div_by_zero",
-    "sqrt_negative",
-    "grad_singularity",
-    "exp_overflow",
-    "overflow",
-    "domain_error",
-    "precision_overflow",
-    "masked_softmax_all",
-    "inf_arithmetic",
-    "zero_variance_norm",
-    "where_gradient_trap",
-    "gradient_explosion",
-    "loss_divergence",
-    "scaler_collapse",
-    "optimizer_state",
-    "unknown",
-    "update_too_large",
-    "vanishing_gradient",
-    "lr_schedule_mismatch",
-    "clip_threshold",
-    "logit_saturation",
-)
+from .taxonomy import ACTIONS, CAUSES, KINDS, PHASES, Action, Cause, Kind, Phase
+
+__all__ = ["ACTIONS", "CAUSES", "KINDS", "PHASES", "Incident"]
 
 
 @dataclasses.dataclass
@@ -70,16 +26,16 @@ class Incident:
     """
 
     step: int
-    kind: str
-    phase: str | None
+    kind: Kind
+    phase: Phase | None
     op: str | None
     module: str | None
     source: str | None
     rank: int
-    cause: str
+    cause: Cause
     summary: str
     fix: str
-    action: str
+    action: Action | str
     transient: bool | None = None
     bundle: str | None = None
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -138,6 +94,8 @@ def _jsonable(value: Any) -> Any:
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, bool)) or value is None:
+    if isinstance(value, str):
+        return str(value)  # an Action is stored as its plain value
+    if isinstance(value, (int, bool)) or value is None:
         return value
     return str(value)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import typer
 
+from ..taxonomy import Action
+
 SHORT_HELP = "Train a small transformer on the CPU until it meets a real NaN; see the diagnosis."
 DEMO_MODEL = "DemoTransformer"
 
@@ -49,7 +51,7 @@ def demo(
     torch.manual_seed(0)
     model = DemoTransformer()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    guard = nantrace.watch(model, optimizer, run_dir=out, config=nantrace.Config(print_incidents=False))
+    guard = nantrace.watch(model, optimizer, run_dir=out, config=nantrace.Config(outputs={"print_incidents": False}))
     CONSOLE.print(f"[bold]nantrace demo[/bold]: a 2-layer transformer classifier, {steps} steps on synthetic data (CPU)",
                   soft_wrap=True)
     start = time.perf_counter()
@@ -76,7 +78,7 @@ def demo(
     for incident in guard.incidents:
         print_incident(incident, OUT)
     finite = [l for l in losses[-10:] if l == l]
-    skipped = sum(1 for i in guard.incidents if i.action == "skipped")
+    skipped = sum(1 for i in guard.incidents if i.action == Action.SKIPPED)
     say = lambda text: OUT.print(text, soft_wrap=True, highlight=False)  # noqa: E731
     say(f"Trained {steps} steps in {time.perf_counter() - start:.1f}s: {len(guard.incidents)} incident(s), "
         f"{skipped} update(s) skipped; final loss {sum(finite) / max(len(finite), 1):.3f}, "

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import typer
 
+from ..taxonomy import Action
 from ._options import ON_ANOMALY_HELP, check_on_anomaly
 
 SHORT_HELP = "Run an unmodified training script with every model and optimizer it creates watched."
@@ -127,7 +128,7 @@ def _pairs(guards: list[Any]) -> str:
 
 
 def _counts(incidents: list[Any]) -> str:
-    skipped = sum(1 for i in incidents if i.action == "skipped")
+    skipped = sum(1 for i in incidents if i.action == Action.SKIPPED)
     return (f"{len(incidents)} incident{'' if len(incidents) == 1 else 's'}, "
             f"{skipped} update{'' if skipped == 1 else 's'} skipped")
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..taxonomy import DATA_INCIDENT_CAUSES
 from .issues import DataIssue, IssueReport
 
 __all__ = [
@@ -32,7 +33,7 @@ __all__ = [
 DEFAULT_LABEL_KEYS: tuple[str, ...] = ("labels", "label", "targets", "target", "y")
 
 #: Causes that concern individual samples (they can be repaired by dropping those samples).
-PER_SAMPLE_CAUSES: frozenset[str] = frozenset({"nonfinite_input", "label_out_of_range"})
+PER_SAMPLE_CAUSES: frozenset[str] = frozenset(DATA_INCIDENT_CAUSES)
 
 _MAX_LISTED = 8  # sample indices spelled out in a summary
 

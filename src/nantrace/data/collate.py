@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
+from ..taxonomy import Action
+from ..taxonomy import DATA_INCIDENT_CAUSES
 from .batch import DEFAULT_LABEL_KEYS, PER_SAMPLE_CAUSES, BatchSchema, _leaves, validate_batch
 from .issues import BATCH_CAUSES, DataIssue, DataValidationError
 
@@ -31,7 +33,7 @@ __all__ = ["GUARD_CAUSES", "DEFAULT_ENFORCED", "ValidatingCollate"]
 _log = logging.getLogger("nantrace.data")
 
 #: Issues handed to ``guard.record_data_incident``.
-GUARD_CAUSES: frozenset[str] = frozenset({"nonfinite_input", "label_out_of_range"})
+GUARD_CAUSES: frozenset[str] = frozenset(DATA_INCIDENT_CAUSES)
 
 #: Causes the policy acts on by default; the others are recorded and logged only.
 #: Shape changes are only recorded by default: text batches padded to their longest
@@ -287,7 +289,7 @@ class ValidatingCollate:
             return batch
         for issue in report.issues:  # what this collate does about it, for the guard's incident
             issue.details.setdefault(
-                "action", ("raised" if self.policy == "raise" else "skipped") if issue.cause in self.enforce else "logged"
+                "action", (Action.RAISED if self.policy == "raise" else Action.SKIPPED) if issue.cause in self.enforce else Action.LOGGED
             )
         self._record(report.issues)
         enforced = [i for i in report.issues if i.cause in self.enforce]

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..taxonomy import BATCH_CAUSES, MASK_CAUSES
+
 __all__ = [
     "BATCH_CAUSES",
     "MASK_CAUSES",
@@ -19,23 +21,6 @@ __all__ = [
     "jsonable",
 ]
 
-#: Cause codes a batch check can report.
-BATCH_CAUSES: tuple[str, ...] = (
-    "nonfinite_input",
-    "label_out_of_range",
-    "shape_mismatch",
-    "dtype_mismatch",
-    "degenerate_normalisation",
-    "distribution_shift",
-)
-
-#: Cause codes an attention-mask check can report (plus ``nonfinite_input`` for a NaN mask).
-MASK_CAUSES: tuple[str, ...] = (
-    "padding_mask_mismatch",
-    "not_causal",
-    "cross_sample_attention",
-    "fully_masked_row",
-)
 
 
 def jsonable(value: Any) -> Any:

@@ -18,18 +18,11 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DistributedSampler
 
+from ..taxonomy import SAMPLER_CAUSES
 from .issues import DataIssue, IssueReport
 
 __all__ = ["SAMPLER_CAUSES", "SamplerReport", "audit_sampler"]
 
-#: Cause codes `audit_sampler` can report.
-SAMPLER_CAUSES: tuple[str, ...] = (
-    "sampler_duplicate",
-    "sampler_gap",
-    "sampler_imbalance",
-    "sampler_out_of_range",
-    "sampler_config",
-)
 
 _KEEP = 1000  # duplicated indices kept in the report
 _LISTED = 10

@@ -21,17 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..taxonomy import SEED_CAUSES
 from .issues import DataIssue, IssueReport
 
 __all__ = ["SEED_CAUSES", "AugmentationReport", "SeedChain", "audit_augmentation", "derive_seed"]
 
-#: Cause codes `audit_augmentation` can report.
-SEED_CAUSES: tuple[str, ...] = (
-    "nondeterministic_augmentation",
-    "global_rng_use",
-    "shared_random_stream",
-    "sample_mutated",
-)
 
 _MIN_PROBES = 16  # seeds tried before concluding that the output ignores the generator
 _PERSON = b"nantrace.seed.v1"  # BLAKE2 personalisation (16 bytes): versioned derivation

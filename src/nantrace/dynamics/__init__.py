@@ -5,8 +5,8 @@ schedule, clipping, logit saturation). Each monitor computes; the guard stores a
 Usage::
 
     guard = nantrace.watch(model, optimizer, run_dir="runs/exp1",
-                           config=nantrace.Config(lr_schedule={"peak_lr": 3e-4, "warmup_steps": 200,
-                                                               "decay": "cosine", "total_steps": 10_000}))
+                           config=nantrace.Config(dynamics={"lr_schedule": {"peak_lr": 3e-4, "warmup_steps": 200,
+                                                               "decay": "cosine", "total_steps": 10_000}}))
     ...                                     # training; warnings arrive as incidents (action "logged")
     nantrace.dynamics.summary(guard)
     # {'layers': {...}, 'clipping': {'fraction_clipped': 0.03, 'suggested_max_norm': 1.8, ...}, ...}
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..taxonomy import EARLY_WARNING_CAUSES, EARLY_WARNING_KINDS
 from .base import Monitor, Signal, StepContext
 
 if TYPE_CHECKING:
@@ -25,11 +26,11 @@ if TYPE_CHECKING:
 
 __all__ = ["DYNAMICS_CAUSES", "DYNAMICS_KINDS", "Monitor", "Signal", "StepContext", "summary"]
 
-DYNAMICS_KINDS = ("grad_growth", "update_ratio", "vanishing_gradient", "lr_schedule", "clipping", "logit_saturation")
+DYNAMICS_KINDS = EARLY_WARNING_KINDS
 """Incident kinds that only the training-dynamics monitors report (always with action ``logged``);
 they also report ``optimizer_state``, a kind the guard uses too."""
 
-DYNAMICS_CAUSES = ("update_too_large", "vanishing_gradient", "lr_schedule_mismatch", "clip_threshold", "logit_saturation")
+DYNAMICS_CAUSES = EARLY_WARNING_CAUSES
 """Cause codes that only the training-dynamics monitors use (early warnings, nothing non-finite yet)."""
 
 _KEYS = {

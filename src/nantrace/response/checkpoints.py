@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..taxonomy import Action
 from ..capture import all_finite
 from ..detection.sentinel import nonfinite_tensors
 
@@ -103,7 +104,7 @@ class CheckpointGate:
             assert episode is not None
             reason = (f"an incident episode is unresolved ({episode.latest.kind}, since step {episode.start}, "
                       f"{episode.count} incident(s), last at step {episode.last_step}); it ends after "
-                      f"{guard.config.episode_gap} healthy steps (Config.episode_gap)")
+                      f"{guard.config.response.episode_gap} healthy steps (Config.episode_gap)")
         ok = reason is None
         self._cache = (guard.step, ok, reason, bad)
         self.reason = reason
@@ -141,7 +142,7 @@ class CheckpointGate:
             fix = ("Save again once the episode has ended (Config.episode_gap healthy steps); if it does not end, "
                    "resume from the last good checkpoint with the fix the episode's incident names.")
         return Incident(step=step, kind=kind, phase=None, op=None, module=module, source=None, rank=guard.rank,
-                        cause=cause, summary=f"Checkpoint refused ({where}): {self.reason}.", fix=fix, action="logged",
+                        cause=cause, summary=f"Checkpoint refused ({where}): {self.reason}.", fix=fix, action=Action.LOGGED,
                         details=details, history=list(guard._recorder))
 
     # ------------------------------------------------------------ loading

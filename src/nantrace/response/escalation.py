@@ -39,6 +39,8 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from ..taxonomy import Action
+
 if TYPE_CHECKING:
     from ..guard import Guard
     from ..incident import Incident
@@ -90,10 +92,10 @@ class EscalationLadder:
     def __init__(self, guard: "Guard") -> None:
         self._guard_ref = weakref.ref(guard)
         cfg = guard.config
-        self.budget = cfg.skip_budget
-        self.window = cfg.skip_window
-        self.window_budget = cfg.skip_window_budget
-        self.gap = cfg.episode_gap
+        self.budget = cfg.response.skip_budget
+        self.window = cfg.response.skip_window
+        self.window_budget = cfg.response.skip_window_budget
+        self.gap = cfg.response.episode_gap
         self.episode: Episode | None = None
         self.consecutive_skips = 0
         """Skipped updates in a row (the step being decided not counted yet)."""
@@ -129,25 +131,25 @@ class EscalationLadder:
         the incident's ``action`` may have been raised to ``rolled_back`` or ``paused`` (an
         escalation), and the caller localises it and then calls :meth:`settle`.
         """
-        if incident.action in ("raised", "paused"):
+        if incident.action in (Action.RAISED, Action.PAUSED):
             return False  # the policy stops the run at once: nothing to group or escalate
         episode = self.episode
         joins = episode is not None and (
-            (self._blocked_last and incident.action != "logged") or
+            (self._blocked_last and incident.action != Action.LOGGED) or
             (_origin(incident) == _origin(episode.latest) and incident.kind in _UNLOCALISED))
-        if incident.action == "skipped" and self._budget_spent():
+        if incident.action == Action.SKIPPED and self._budget_spent():
             reason = self._reason()
             if self._can_roll_back(episode):
-                if joins and episode is not None and episode.latest.action == "rolled_back":
-                    incident.action = "rolled_back"
+                if joins and episode is not None and episode.latest.action == Action.ROLLED_BACK:
+                    incident.action = Action.ROLLED_BACK
                     return self._rejoin_with_rollback(episode, incident, decision, reason)
-                self._escalate(incident, "rolled_back", reason)
+                self._escalate(incident, Action.ROLLED_BACK, reason)
             else:
-                self._escalate(incident, "paused", reason)
+                self._escalate(incident, Action.PAUSED, reason)
             return False
         if episode is None or not joins:
             return False
-        if incident.action == "rolled_back":
+        if incident.action == Action.ROLLED_BACK:
             return self._rejoin_with_rollback(episode, incident, decision, "the episode recurred")
         self._count(episode, incident)
         decision.incident = episode.latest
@@ -160,13 +162,13 @@ class EscalationLadder:
         A repeat that made something new happen (a precision fallback) is recorded, not joined.
         """
         episode = self.episode
-        if incident.action == "raised" or (incident.action == "paused" and "escalation" not in incident.details):
+        if incident.action == Action.RAISED or (incident.action == Action.PAUSED and "escalation" not in incident.details):
             return False
         if episode is not None and incident is episode.latest:
             return False  # an escalation: already the episode's head
         if (episode is not None and "escalation" not in incident.details and "precision_fallback" not in incident.details
                 and _same_origin(incident, episode.latest)):
-            if incident.action == "rolled_back":
+            if incident.action == Action.ROLLED_BACK:
                 return self._rejoin_with_rollback(episode, incident, decision, "the episode recurred")
             self._count(episode, incident)
             decision.incident = episode.latest
@@ -182,7 +184,7 @@ class EscalationLadder:
             self.episode.latest = incident
             self.episode.count += 1
             self.episode.last_step = incident.step
-        if incident.action == "rolled_back":
+        if incident.action == Action.ROLLED_BACK:
             self._rolled_back()
         self._mark(incident)
 
@@ -204,20 +206,20 @@ class EscalationLadder:
 
     @property
     def max_rollbacks(self) -> int:
-        return self.guard.config.rollback_max_retries
+        return self.guard.config.response.rollback_max_retries
 
     def _escalate(self, incident: "Incident", action: str, reason: str) -> None:
         """Raise the incident's action a rung (``rolled_back`` or ``paused``); it becomes the episode's head."""
         episode = self.episode
         incident.action = action
-        info: dict[str, Any] = {"from": "skipped", "to": action, "reason": reason}
+        info: dict[str, Any] = {"from": Action.SKIPPED, "to": action, "reason": reason}
         if episode is not None:
             info.update(episode.summary())
-        if action == "paused":
+        if action == Action.PAUSED:
             info["why_pause"] = (f"{episode.rollbacks} rollback(s) of this episode did not get past it "
                                  f"(Config.rollback_max_retries = {self.max_rollbacks})" if episode is not None and episode.rollbacks
                                  else "no last-good snapshot to roll back to (on_anomaly='rollback' or Config.skip_snapshots keeps them)")
-        verb = "rolled back to the last good snapshot" if action == "rolled_back" else "paused"
+        verb = "rolled back to the last good snapshot" if action == Action.ROLLED_BACK else "paused"
         since = f" of the episode that began at step {episode.start}" if episode is not None else ""
         info["note"] = f"Escalated after {reason}{since}: nantrace {verb}."
         incident.details["escalation"] = info
@@ -253,8 +255,8 @@ class EscalationLadder:
                                                    f"(Config.rollback_max_retries = {self.max_rollbacks})")
         incident.details.setdefault("rollback", f"{episode.rollbacks} rollbacks in a row did not get past the failure; "
                                                 "escalated to pause")
-        incident.action = "paused"
-        info: dict[str, Any] = {"from": "rolled_back", "to": "paused", "reason": reason, "why_pause": why}
+        incident.action = Action.PAUSED
+        info: dict[str, Any] = {"from": Action.ROLLED_BACK, "to": Action.PAUSED, "reason": reason, "why_pause": why}
         info.update(episode.summary())
         info["note"] = (f"Escalated after {episode.rollbacks} rollback(s) of the episode that began at step "
                         f"{episode.start}: nantrace paused.")
