@@ -19,8 +19,10 @@ def test_config_table_is_up_to_date():
 
 
 def test_every_config_field_is_documented():
-    for field in dataclasses.fields(nantrace.Config):
-        assert f"`{field.name}`" in API, field.name
+    for group in dataclasses.fields(nantrace.Config):
+        assert f"`Config.{group.name}`" in API, group.name
+        for field in dataclasses.fields(getattr(nantrace.Config(), group.name)):
+            assert f"`{field.name}`" in API, field.name
 
 
 def test_every_kind_and_cause_is_documented():

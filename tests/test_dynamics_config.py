@@ -15,15 +15,15 @@ SAMPLED = ("update_stats_every", "activation_stats_every", "optimizer_stats_ever
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("layer_stats_every", -1, "Config.layer_stats_every must be an integer >= 0, got -1"),
-    ("update_stats_every", 2.5, "Config.update_stats_every must be an integer >= 0, got 2.5"),
-    ("dynamics_warmup", True, "Config.dynamics_warmup must be an integer >= 0, got True"),
-    ("update_ratio_max", 0, "Config.update_ratio_max must be a number > 0, got 0"),
-    ("lr_tolerance", 1.5, "Config.lr_tolerance must be a number in (0, 1), got 1.5"),
-    ("label_smoothing", 1.0, "Config.label_smoothing must be a number in [0, 1), got 1.0"),
-    ("tensorboard", 3, "Config.tensorboard must be False, True (RUN_DIR/tensorboard) or a log directory, got 3"),
-    ("early_warnings", "yes", "Config.early_warnings must be a bool, got 'yes'"),
-    ("clip_stats", 1, "Config.clip_stats must be a bool, got 1"),
+    ("layer_stats_every", -1, "Config.dynamics.layer_stats_every must be an integer >= 0, got -1"),
+    ("update_stats_every", 2.5, "Config.dynamics.update_stats_every must be an integer >= 0, got 2.5"),
+    ("dynamics_warmup", True, "Config.dynamics.dynamics_warmup must be an integer >= 0, got True"),
+    ("update_ratio_max", 0, "Config.dynamics.update_ratio_max must be a number > 0, got 0"),
+    ("lr_tolerance", 1.5, "Config.dynamics.lr_tolerance must be a number in (0, 1), got 1.5"),
+    ("label_smoothing", 1.0, "Config.dynamics.label_smoothing must be a number in [0, 1), got 1.0"),
+    ("tensorboard", 3, "Config.outputs.tensorboard must be False, True (RUN_DIR/tensorboard) or a log directory, got 3"),
+    ("early_warnings", "yes", "Config.dynamics.early_warnings must be a bool, got 'yes'"),
+    ("clip_stats", 1, "Config.dynamics.clip_stats must be a bool, got 1"),
 ])
 def test_bad_values_name_the_option(field: str, value, message: str) -> None:
     with pytest.raises((ValueError, TypeError)) as info:
@@ -73,7 +73,7 @@ def test_config_with_a_callable_schedule_is_stored(tmp_path) -> None:
 
     with RunStore(tmp_path, readonly=True) as store:
         stored = store.get_meta("config")
-    assert "lambda" in stored["lr_schedule"] and json.dumps(stored)
+    assert "lambda" in stored["dynamics"]["lr_schedule"] and json.dumps(stored)
 
 
 def test_without_an_optimizer_no_monitor_installs_anything() -> None:

@@ -53,11 +53,11 @@ def test_run_dir_that_is_a_file_is_rejected(tmp_path):
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("spike_window", 2, "Config.spike_window must be an integer >= 24, got 2"),
-        ("spike_sigma", 0.5, "Config.spike_sigma must be a number >= 1, got 0.5"),
-        ("finite_anomaly_action", "ignore", "Config.finite_anomaly_action must be 'policy' or 'log', got 'ignore'"),
-        ("check_loss", "yes", "Config.check_loss must be a bool, got 'yes'"),
-        ("model_factory", "nocolon", "Config.model_factory must be 'module:callable'"),
+        ("spike_window", 2, "Config.detection.spike_window must be an integer >= 24, got 2"),
+        ("spike_sigma", 0.5, "Config.detection.spike_sigma must be a number >= 1, got 0.5"),
+        ("finite_anomaly_action", "ignore", "Config.response.finite_anomaly_action must be 'policy' or 'log', got 'ignore'"),
+        ("check_loss", "yes", "Config.detection.check_loss must be a bool, got 'yes'"),
+        ("model_factory", "nocolon", "Config.outputs.model_factory must be 'module:callable'"),
     ],
 )
 def test_config_validation_names_the_field(field, value, message):
@@ -67,7 +67,7 @@ def test_config_validation_names_the_field(field, value, message):
 
 
 def test_config_warmup_longer_than_window():
-    with pytest.raises(ValueError, match=r"spike_warmup \(200\) must not exceed Config.spike_window \(128\)"):
+    with pytest.raises(ValueError, match=r"spike_warmup \(200\) must not exceed Config.detection.spike_window \(128\)"):
         nantrace.Config(spike_warmup=200)
 
 

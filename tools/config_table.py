@@ -1,8 +1,11 @@
-"""Regenerate the Config table in docs/api.md from the field docstrings in config.py.
+"""Regenerate the Config tables in docs/api.md from the settings groups' field docstrings.
+
+Each group of ``nantrace.Config`` is defined (and documented, one docstring under each field) in
+its own module; this reads those modules' source, so it needs no import of torch.
 
 Usage::
 
-    python tools/config_table.py          # rewrites the table between the markers
+    python tools/config_table.py          # rewrites the tables between the markers
     python tools/config_table.py --check  # exit 1 if docs/api.md is out of date
 """
 
@@ -13,23 +16,41 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src/nantrace"
 BEGIN, END = "<!-- config-table:begin -->", "<!-- config-table:end -->"
+GROUPS = (  # Config attribute, module defining it, class
+    ("detection", "detection/settings.py", "DetectionConfig"),
+    ("response", "response/settings.py", "ResponseConfig"),
+    ("localisation", "localisation/settings.py", "LocalisationConfig"),
+    ("dynamics", "dynamics/settings.py", "DynamicsConfig"),
+    ("outputs", "storage/settings.py", "OutputsConfig"),
+)
 
 
-def table() -> str:
-    tree = ast.parse((ROOT / "src/nantrace/config.py").read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config")
-    lines = ["| field | default | meaning |", "|---|---|---|"]
+def _docstring(node: ast.AST | None) -> str:
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+        return " ".join(node.value.value.split()).replace("|", "\\|")
+    return ""
+
+
+def group_table(group: str, module: str, name: str) -> str:
+    tree = ast.parse((PACKAGE / module).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    lines = [f"### `Config.{group}` (`{name}`, `{module}`)", "", _docstring(cls.body[0]), "",
+             "| field | default | meaning |", "|---|---|---|"]
     for i, node in enumerate(cls.body):
-        if not isinstance(node, ast.AnnAssign):
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
             continue
-        doc = ""
-        nxt = cls.body[i + 1] if i + 1 < len(cls.body) else None
-        if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-            doc = " ".join(nxt.value.value.split()).replace("|", "\\|")
+        if isinstance(node.annotation, ast.Subscript) and ast.unparse(node.annotation.value) == "ClassVar":
+            continue
+        doc = _docstring(cls.body[i + 1] if i + 1 < len(cls.body) else None)
         default = ast.unparse(node.value) if node.value is not None else ""
         lines.append(f"| `{node.target.id}` | `{default}` | {doc} |")
     return "\n".join(lines)
+
+
+def table() -> str:
+    return "\n\n".join(group_table(*g) for g in GROUPS)
 
 
 def main() -> int:

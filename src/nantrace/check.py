@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .taxonomy import Action
 from .config import Config
 from .errors import NonFiniteError
 from .incident import Incident
@@ -459,7 +460,7 @@ def _train(spec: CheckSpec, *, steps: int, seed: int, policy: str, run_dir: Any)
 
     model = spec.model
     optimizer = spec.optimizer if spec.optimizer is not None else torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = (spec.config or Config()).replace(print_incidents=False)
+    config = (spec.config or Config()).replace(outputs={"print_incidents": False})
     stops = policy in ("raise", "pause")
     result = CheckResult(target=None, steps=steps, steps_run=0, seed=seed, on_anomaly=policy, incidents=[],
                          run_dir=os.fspath(run_dir) if run_dir is not None else None)
@@ -481,7 +482,7 @@ def _train(spec: CheckSpec, *, steps: int, seed: int, policy: str, run_dir: Any)
                     result.data_warnings.append({"step": step, **issue.to_dict()})
             if bad:
                 for issue in bad:
-                    issue.details["action"] = {"raise": "raised", "pause": "paused"}.get(policy, "skipped")
+                    issue.details["action"] = {"raise": Action.RAISED, "pause": Action.PAUSED}.get(policy, Action.SKIPPED)
                     guard.record_data_incident(issue)
                 if stops:
                     result.stopped = f"on_anomaly={policy}: the batch of step {step} failed validation ({bad[0].cause})"

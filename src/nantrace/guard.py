@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from .taxonomy import DATA_INCIDENT_CAUSES, Action, is_finite_trouble
 from . import console
 from ._excepthook import EXCEPTHOOK
 from ._interception import INTERCEPTOR
@@ -129,7 +130,7 @@ class Guard:
 
         self._handles: list[Any] = []
         self._scaler_originals: dict[str, Any] = {}
-        self._tape = LossTape() if config.record_loss_code else None
+        self._tape = LossTape() if config.localisation.record_loss_code else None
         self._pending_exception: BaseException | None = None
         self._capture = self._new_capture()
         self._decision: _Decision | None = None
@@ -142,24 +143,24 @@ class Guard:
         self._data_inbox: deque[Any] = deque()
         self._last_row: dict[str, Any] | None = None
         self.monitors: list[Monitor] = []
-        self.precision = PrecisionFallback(self.root, config.precision_fallback_after)
+        self.precision = PrecisionFallback(self.root, config.response.precision_fallback_after)
         self.rollback = RollbackPolicy(self) if optimizer is not None and (
-            on_anomaly == "rollback" or (on_anomaly == "skip" and config.skip_snapshots)) else None
+            on_anomaly == "rollback" or (on_anomaly == "skip" and config.response.skip_snapshots)) else None
         self.ladder = EscalationLadder(self)
         self.checkpoints = CheckpointGate(self)
-        self._divergence = DivergenceDetector(min_steps=config.divergence_steps, min_factor=config.divergence_factor)
+        self._divergence = DivergenceDetector(min_steps=config.detection.divergence_steps, min_factor=config.detection.divergence_factor)
         self._owner_thread = threading.get_ident()
-        self._recorder: deque[dict[str, Any]] = deque(maxlen=config.flight_recorder)
+        self._recorder: deque[dict[str, Any]] = deque(maxlen=config.outputs.flight_recorder)
         self._loss_spikes = RobustSpikeDetector(
-            window=config.spike_window, warmup=config.spike_warmup,
-            sigma=config.spike_sigma, min_ratio=config.loss_spike_min_ratio,
+            window=config.detection.spike_window, warmup=config.detection.spike_warmup,
+            sigma=config.detection.spike_sigma, min_ratio=config.detection.loss_spike_min_ratio,
         )
         self._grad_spikes = RobustSpikeDetector(
-            window=config.spike_window, warmup=config.spike_warmup,
-            sigma=config.spike_sigma, min_ratio=config.explosion_min_ratio,
+            window=config.detection.spike_window, warmup=config.detection.spike_warmup,
+            sigma=config.detection.spike_sigma, min_ratio=config.detection.explosion_min_ratio,
         )
-        self._scaler_monitor = ScalerMonitor(max_skips=config.scaler_max_skips, min_scale=config.scaler_min_scale,
-                                             max_drop=config.scaler_max_drop)
+        self._scaler_monitor = ScalerMonitor(max_skips=config.detection.scaler_max_skips, min_scale=config.detection.scaler_min_scale,
+                                             max_drop=config.detection.scaler_max_drop)
 
         names = {id(p): n for n, p in self.root.named_parameters()}
         params = self._optimizer_params() if optimizer is not None else [p for p in self.root.parameters()]
@@ -167,7 +168,7 @@ class Guard:
         self._param_names: list[str] = [names.get(id(p), f"param[{i}]") for i, p in enumerate(self._params)]
         self.sharded = any(hasattr(p, "to_local") for p in self._params)
         """Parameters are DTensor shards (FSDP2): norms are combined across ranks; no replay."""
-        self.update_check = UpdateCheck(optimizer, self._params, self._param_names, enabled=config.check_updates) \
+        self.update_check = UpdateCheck(optimizer, self._params, self._param_names, enabled=config.detection.check_updates) \
             if optimizer is not None and not self.sharded else None
         """Checks the optimizer's own updates (phase ``optimizer``) and undoes a non-finite one."""
         self.store: RunStore | None = None
@@ -244,7 +245,7 @@ class Guard:
             buffers=self._snapshot_buffers(),
         )
         self._capture.forwards.append(record)
-        if self.config.check_inputs:
+        if self.config.detection.check_inputs:
             flag = all_finite(floating_tensors((args, kwargs)))
             if flag is not None:
                 self._capture.and_inputs(flag)
@@ -263,11 +264,11 @@ class Guard:
         outputs = floating_tensors(output)
         if self._tape is not None:
             record.outputs = [weakref.ref(t) for t in outputs]
-        if self.config.check_outputs:
+        if self.config.detection.check_outputs:
             flag = all_finite(outputs)
             if flag is not None:
                 self._capture.and_outputs(flag)
-        if self.config.keep_output_grads:
+        if self.config.localisation.keep_output_grads:
             for i, t in enumerate(outputs):
                 if t.requires_grad:
                     t.register_hook(functools.partial(_keep_grad, record, i))
@@ -275,7 +276,7 @@ class Guard:
             self._tape.resume()
 
     def _snapshot_buffers(self) -> dict[str, torch.Tensor] | None:
-        if not self.config.snapshot_buffers:
+        if not self.config.localisation.snapshot_buffers:
             return None
         out = {}
         for name, buf in self.root.named_buffers():
@@ -297,7 +298,7 @@ class Guard:
         if self._tape is not None:  # the loss code ends here (backward(), or GradScaler.scale)
             self._tape.note_loss(loss)
             self._tape.pause()
-        if self.config.check_loss and not self._replaying:
+        if self.config.detection.check_loss and not self._replaying:
             self._capture.losses.append(loss.detach())
 
     def replayable(self, fn: F) -> F:
@@ -425,7 +426,7 @@ class Guard:
         capture = self._capture
         health = measure(
             grads=grads,
-            params=self._params if self.config.check_params else [],
+            params=self._params if self.config.detection.check_params else [],
             losses=capture.losses + [c.loss for c in capture.calls if c.loss is not None and not capture.losses],
             inputs_ok=capture.inputs_ok,
             outputs_ok=capture.outputs_ok,
@@ -440,10 +441,10 @@ class Guard:
             health,
             step=self.step,
             scaler_active=via_scaler,
-            loss_spikes=self._loss_spikes if self.config.detect_loss_spikes else None,
-            grad_spikes=self._grad_spikes if self.config.detect_grad_explosion else None,
+            loss_spikes=self._loss_spikes if self.config.detection.detect_loss_spikes else None,
+            grad_spikes=self._grad_spikes if self.config.detection.detect_grad_explosion else None,
             last_applied=self._last_applied,
-            divergence=self._divergence if self.config.detect_divergence else None,
+            divergence=self._divergence if self.config.detection.detect_divergence else None,
             lr=next(iter(self._lrs()), None),
         )
         agreement = None
@@ -462,7 +463,7 @@ class Guard:
                 if self.rank not in agreement.origin_ranks:
                     incident.summary = (f"The non-finite values came from rank {incident.rank} (its own data or "
                                         f"gradients, before the all-reduce); this rank only received them. " + incident.summary)
-            block = incident.action != "logged"
+            block = incident.action != Action.LOGGED
         decision = _Decision(health, incident, block, scaler_skip)
         decision.grad_index = grad_index
         self._decision = decision
@@ -476,8 +477,8 @@ class Guard:
                             and health.local_grads_finite and health.params_finite) or (
             finding is not None and finding.kind == "loss_spike")  # the loss is per rank; gradients are shared
         blocks = finding is not None and action_for(
-            self.policy, finding, finite_trouble=finding.kind in ("loss_spike", "grad_explosion", "scaler_collapse"),
-            config=self.config) != "logged"
+            self.policy, finding, finite_trouble=is_finite_trouble(finding.kind),
+            config=self.config) != Action.LOGGED
         agreement = agree(rank=self.rank, world_size=self.world_size, local_origin=local_origin,
                           local_kind=finding.kind if blocks and finding is not None else None, device=device)
         if agreement.block and not blocks:
@@ -491,7 +492,7 @@ class Guard:
         return agreement, finding
 
     def _make_incident(self, finding: Finding, health: StepHealth, grads: list[torch.Tensor], grad_index: list[int]) -> Incident:
-        finite_trouble = finding.kind in ("loss_spike", "grad_explosion", "scaler_collapse")
+        finite_trouble = is_finite_trouble(finding.kind)
         action = action_for(self.policy, finding, finite_trouble=finite_trouble, config=self.config)
         details: dict[str, Any] = dict(finding.details)
         if not health.grads_finite:
@@ -532,7 +533,7 @@ class Guard:
         if self.sharded:
             incident.details["localisation"] = ("not replayed: under FSDP2 the forward issues collectives, which a "
                                                 "replay on one rank would deadlock")
-        elif self.config.localise and here and incident.kind.startswith("nonfinite") and incident.kind != "nonfinite_param" \
+        elif self.config.localisation.localise and here and incident.kind.startswith("nonfinite") and incident.kind != "nonfinite_param" \
                 and "peer_rank" not in incident.details:
             from .localisation.localiser import localise_incident
 
@@ -544,14 +545,14 @@ class Guard:
                 incident.fix = f"{incident.fix} (Done: {note}.)"
         if self.ladder.settle(incident, decision):  # localised: the same origin as the episode's incident
             return
-        if not self.sharded and (incident.action in ("paused", "rolled_back") or (
-                self.config.save_bundle and self.store is not None and incident.kind.startswith("nonfinite"))):
+        if not self.sharded and (incident.action in (Action.PAUSED, Action.ROLLED_BACK) or (
+                self.config.outputs.save_bundle and self.store is not None and incident.kind.startswith("nonfinite"))):
             self._write_bundle(incident)  # before any rollback: the bundle holds the failing step's own state
-        if incident.action == "rolled_back" and not (self.rollback is not None and self.rollback.roll_back(incident)):
-            incident.action = "paused"
+        if incident.action == Action.ROLLED_BACK and not (self.rollback is not None and self.rollback.roll_back(incident)):
+            incident.action = Action.PAUSED
         self.ladder.annotate(incident)
         self._record(incident)
-        if incident.action in ("raised", "paused"):
+        if incident.action in (Action.RAISED, Action.PAUSED):
             self._finish_step(decision, raised=True)
             raise NonFiniteError(incident)
 
@@ -560,11 +561,11 @@ class Guard:
         self.incidents.append(incident)
         if self.store is not None:
             self.store.log_incident(incident)
-        if self.config.print_incidents and announce:
+        if self.config.outputs.print_incidents and announce:
             console.print_incident(incident)
 
     def _write_bundle(self, incident: Incident) -> None:
-        if self.store is None or self._bundles_written >= self.config.max_bundles:
+        if self.store is None or self._bundles_written >= self.config.outputs.max_bundles:
             return
         try:
             from .storage.bundle import write_bundle
@@ -608,7 +609,7 @@ class Guard:
         from .localisation.exceptions import diagnose_exception, is_value_message
 
         incident = Incident(step=self.step, kind="exception", phase=None, op=None, module=None, source=None,
-                            rank=self.rank, cause="unknown", summary="", fix="", action="raised",
+                            rank=self.rank, cause="unknown", summary="", fix="", action=Action.RAISED,
                             details={}, history=list(self._recorder))
         try:
             with torch.no_grad():
@@ -620,7 +621,7 @@ class Guard:
             incident.fix = "Re-run with nantrace replay on the bundle to see the origin of the bad value."
         if not found:
             return None
-        if self.store is not None and self.config.save_bundle and not self.sharded:
+        if self.store is not None and self.config.outputs.save_bundle and not self.sharded:
             self._write_bundle(incident)
         self._record(incident, announce=announce)
         self._capture = self._new_capture()
@@ -642,12 +643,12 @@ class Guard:
     def _flush_data_incidents(self) -> None:
         while self._data_inbox:
             issue = self._data_inbox.popleft()
-            cause = issue.cause if issue.cause in ("nonfinite_input", "label_out_of_range") else "unknown"
-            action = issue.details.get("action", "logged")
+            cause = issue.cause if issue.cause in DATA_INCIDENT_CAUSES else "unknown"
+            action = issue.details.get("action", Action.LOGGED)
             incident = Incident(
                 step=self.step, kind="nonfinite_input", phase="data", op=None, module=None, source=None,
                 rank=self.rank, cause=cause, summary=issue.summary, fix=issue.fix,
-                action=action if action in ("skipped", "raised", "logged") else "logged",
+                action=action if action in (Action.SKIPPED, Action.RAISED, Action.LOGGED) else Action.LOGGED,
                 details={"path": issue.path, "sample_indices": list(issue.sample_indices), **issue.details},
                 history=list(self._recorder),
             )
@@ -663,7 +664,7 @@ class Guard:
             if self.scaler is not None:
                 collapse = self._scaler_monitor.update(
                     skipped=decision.scaler_skip, scale=health.scale,
-                    probe=functools.partial(replay_at_scale_one, self, self._capture, health.scale) if self.config.localise else None)
+                    probe=functools.partial(replay_at_scale_one, self, self._capture, health.scale) if self.config.localisation.localise else None)
                 if collapse is not None and not raised:
                     self._report_collapse(collapse, decision)
         self.ladder.end_step(self.step, blocked=not raised and (decision.block or (
@@ -717,7 +718,7 @@ class Guard:
     def _report_signal(self, signal: Signal) -> None:
         incident = Incident(
             step=self.step, kind=signal.kind, phase=signal.phase, op=None, module=signal.module, source=None,
-            rank=self.rank, cause=signal.cause, summary=signal.summary, fix=signal.fix, action="logged",
+            rank=self.rank, cause=signal.cause, summary=signal.summary, fix=signal.fix, action=Action.LOGGED,
             details=dict(signal.details), history=list(self._recorder),
         )
         self._record(incident)
@@ -729,7 +730,7 @@ class Guard:
         incident = Incident(
             step=self.step, kind="scaler_collapse", phase="backward", op=None, module=None, source=None,
             rank=self.rank, cause="scaler_collapse", summary=summary, fix=fix,
-            action="skipped" if self.policy == "skip" or self.config.finite_anomaly_action == "log" else action_for(
+            action=Action.SKIPPED if self.policy == "skip" or self.config.response.finite_anomaly_action == "log" else action_for(
                 self.policy, None, finite_trouble=True, config=self.config),
             details=collapse_fields(collapse),
             history=list(self._recorder),
@@ -742,13 +743,13 @@ class Guard:
 
             name_collapse_origin(self, incident, self._capture, decision.health.scale)
         self.ladder.settle(incident, decision)  # a collapse is never a repeat here: it opens or heads its episode
-        if incident.action in ("paused", "rolled_back"):
+        if incident.action in (Action.PAUSED, Action.ROLLED_BACK):
             self._write_bundle(incident)
-        if incident.action == "rolled_back" and not (self.rollback is not None and self.rollback.roll_back(incident)):
-            incident.action = "paused"
+        if incident.action == Action.ROLLED_BACK and not (self.rollback is not None and self.rollback.roll_back(incident)):
+            incident.action = Action.PAUSED
         self.ladder.annotate(incident)
         self._record(incident)
-        if incident.action in ("raised", "paused"):
+        if incident.action in (Action.RAISED, Action.PAUSED):
             raise NonFiniteError(incident)
 
     def _finish_closure_step(self) -> None:

@@ -195,7 +195,7 @@ def name_collapse_origin(guard: "Guard", incident: Any, capture: "StepCapture", 
     if bad:
         incident.details["nonfinite_grads"] = bad
         incident.module = str(bad[0]["name"]).rpartition(".")[0]
-    if not guard.config.localise or guard.sharded:
+    if not guard.config.localisation.localise or guard.sharded:
         return
     from ..localisation.localiser import localise_incident
 

@@ -78,7 +78,7 @@ class ActivationMonitor(SafeMonitor):
         self._pending: tuple[int, list[int], DeferredRead] | None = None
 
     def _attach(self, guard: "Guard") -> None:
-        if guard.store is None and guard.config.tensorboard is False:
+        if guard.store is None and guard.config.outputs.tensorboard is False:
             self.active = False  # nowhere to keep the figures: cost nothing
             return
         if guard.model is not guard.root and hasattr(guard.model, "_orig_mod"):

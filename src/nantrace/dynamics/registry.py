@@ -34,27 +34,27 @@ def build_monitors(config: "Config") -> list["Monitor"]:
     monitors: list[Monitor] = []
     peers: dict[str, Monitor] = {}
     warnings = None
-    if config.early_warnings:
-        warnings = WarningSettings(warmup=config.dynamics_warmup, update_ratio_max=float(config.update_ratio_max))
-    if config.layer_stats_every or config.update_stats_every:
-        peers["layers"] = LayerStatsMonitor(every=config.layer_stats_every, update_every=config.update_stats_every,
+    if config.dynamics.early_warnings:
+        warnings = WarningSettings(warmup=config.dynamics.dynamics_warmup, update_ratio_max=float(config.dynamics.update_ratio_max))
+    if config.dynamics.layer_stats_every or config.dynamics.update_stats_every:
+        peers["layers"] = LayerStatsMonitor(every=config.dynamics.layer_stats_every, update_every=config.dynamics.update_stats_every,
                                             warnings=warnings)
-    if config.activation_stats_every:
-        peers["activations"] = ActivationMonitor(every=config.activation_stats_every)
-    if config.optimizer_stats_every:
-        peers["optimizer_state"] = OptimizerStateMonitor(every=config.optimizer_stats_every, warmup=config.dynamics_warmup,
-                                                         warn=config.early_warnings)
-    if config.logit_stats_every:
-        peers["logits"] = LogitSaturationMonitor(every=config.logit_stats_every, warmup=config.dynamics_warmup,
-                                                 label_smoothing=float(config.label_smoothing), warn=config.early_warnings)
-    if config.clip_stats:
-        peers["clipping"] = ClipMonitor(warmup=config.dynamics_warmup, warn=config.early_warnings)
+    if config.dynamics.activation_stats_every:
+        peers["activations"] = ActivationMonitor(every=config.dynamics.activation_stats_every)
+    if config.dynamics.optimizer_stats_every:
+        peers["optimizer_state"] = OptimizerStateMonitor(every=config.dynamics.optimizer_stats_every, warmup=config.dynamics.dynamics_warmup,
+                                                         warn=config.dynamics.early_warnings)
+    if config.dynamics.logit_stats_every:
+        peers["logits"] = LogitSaturationMonitor(every=config.dynamics.logit_stats_every, warmup=config.dynamics.dynamics_warmup,
+                                                 label_smoothing=float(config.dynamics.label_smoothing), warn=config.dynamics.early_warnings)
+    if config.dynamics.clip_stats:
+        peers["clipping"] = ClipMonitor(warmup=config.dynamics.dynamics_warmup, warn=config.dynamics.early_warnings)
     monitors.extend(peers.values())
-    if config.lr_schedule is not None:
-        monitors.append(LRScheduleMonitor(schedule=config.lr_schedule, tolerance=float(config.lr_tolerance)))
-    if config.tensorboard is not False:
+    if config.dynamics.lr_schedule is not None:
+        monitors.append(LRScheduleMonitor(schedule=config.dynamics.lr_schedule, tolerance=float(config.dynamics.lr_tolerance)))
+    if config.outputs.tensorboard is not False:
         from ..storage.tensorboard import TensorBoardMonitor
 
-        monitors.append(TensorBoardMonitor(logdir=config.tensorboard, every=config.update_stats_every or _TENSORBOARD_EVERY,
+        monitors.append(TensorBoardMonitor(logdir=config.outputs.tensorboard, every=config.dynamics.update_stats_every or _TENSORBOARD_EVERY,
                                            peers=peers))
     return monitors

@@ -151,7 +151,7 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
             incident.details["loss_code"] = ("not replayable: " + ("more than the tape's limit of calls"
                                              if tape.truncated else "the loss code left no tape"))
         incident.details["ops_replayed"] = tracer.ops_seen if tracer is not None else 0
-        if observed_in is not None and failing_unit is not None and failing_unit is not tape and guard.config.precision_check \
+        if observed_in is not None and failing_unit is not None and failing_unit is not tape and guard.config.localisation.precision_check \
                 and _is_low_precision(guard, failing_unit):
             with float32_model(guard.root):
                 r32 = run_unit(guard, failing_unit, full_precision=True, backward=observed_in == "backward")

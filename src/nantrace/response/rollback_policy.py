@@ -33,8 +33,8 @@ class RollbackPolicy:
     def __init__(self, guard: "Guard") -> None:
         self._guard_ref = weakref.ref(guard)  # the guard owns this policy: no cycle, so snapshots go with it
         cfg = guard.config
-        self.interval = cfg.rollback_interval
-        self.max_retries = cfg.rollback_max_retries
+        self.interval = cfg.response.rollback_interval
+        self.max_retries = cfg.response.rollback_max_retries
         self.manager: SnapshotManager | None = None
         self.retries = 0
         self.last_rollback: int | None = None
@@ -59,11 +59,11 @@ class RollbackPolicy:
             if s not in schedulers:
                 schedulers.append(s)
         directory = None
-        if cfg.rollback_where == "disk" and guard.run_dir is not None:
+        if cfg.response.rollback_where == "disk" and guard.run_dir is not None:
             directory = os.path.join(guard.run_dir, "snapshots")
         return SnapshotManager(guard.root, guard.optimizer, scaler=guard.scaler, schedulers=schedulers,
-                               interval=self.interval, where=cfg.rollback_where, directory=directory,
-                               keep=cfg.rollback_keep)
+                               interval=self.interval, where=cfg.response.rollback_where, directory=directory,
+                               keep=cfg.response.rollback_keep)
 
     def before_healthy_update(self, step: int) -> None:
         """Called at a step whose check found nothing, before its update: a last-good point."""

@@ -55,8 +55,8 @@ def _safe(obj: Any, depth: int = 0) -> Any:
 
 def model_factory_path(guard: "Guard") -> str | None:
     """``module:qualname`` to rebuild the model in a fresh process, when one is importable."""
-    if guard.config.model_factory:
-        return guard.config.model_factory
+    if guard.config.outputs.model_factory:
+        return guard.config.outputs.model_factory
     cls = type(guard.root)
     if cls.__module__ in ("__main__", "builtins") or "<locals>" in cls.__qualname__:
         return None
