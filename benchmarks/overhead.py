@@ -562,8 +562,8 @@ def profile_nantrace(name: str, *, steps: int, seed: int) -> dict[str, Any]:
         rows.append({"function": f"{Path(fname).parent.name}/{Path(fname).name}:{line}({func})",
                      "calls_per_step": ncalls / steps, "cum_ms_per_step": cumtime / steps * 1e3,
                      "own_ms_per_step": tottime / steps * 1e3})
-        is_interceptor = Path(fname).name == "_interception.py" and func == "_backward"
-        from_outside = all(not _is_nantrace(c[0]) or (Path(c[0]).name == "_interception.py" and c[2] == "_backward")
+        is_interceptor = Path(fname).name == "patches.py" and func == "backward"
+        from_outside = all(not _is_nantrace(c[0]) or (Path(c[0]).name == "patches.py" and c[2] == "backward")
                            for c in callers)
         if is_interceptor:
             own_total += tottime

@@ -57,7 +57,7 @@ def mlp(seed: int = 0, width: int = 32) -> nn.Module:
 def assert_unhooked(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scaler: Any = None,
                     scaler_keys: set[str] | None = None) -> None:
     """Nothing of nantrace remains on the model, optimizer, scaler or torch.autograd."""
-    from nantrace._interception import INTERCEPTOR
+    from nantrace.patches import BACKWARD
 
     for name, m in model.named_modules():
         assert not m._forward_hooks and not m._forward_pre_hooks, f"hook left on module {name!r}"
@@ -68,7 +68,7 @@ def assert_unhooked(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         assert "step" not in optimizer.__dict__
     if scaler is not None and scaler_keys is not None:
         assert set(scaler.__dict__) == scaler_keys
-    assert not INTERCEPTOR.installed
+    assert not BACKWARD.installed
     assert torch.autograd.backward.__module__ == "torch.autograd"
 
 

@@ -13,7 +13,8 @@ import nantrace
 from dynamics_helpers import _one_thread, classification_batches, quiet, relu_mlp, train  # noqa: F401
 from nantrace.dynamics import clipping
 from nantrace.dynamics._common import MonitorFailedWarning
-from nantrace.dynamics.clipping import CLIP_INTERCEPTOR, ClipMonitor, suggest_max_norm
+from nantrace.dynamics.clipping import ClipMonitor, suggest_max_norm
+from nantrace.patches import CLIP_FUNCTIONS
 
 pytestmark = pytest.mark.filterwarnings(f"error::{MonitorFailedWarning.__module__}.{MonitorFailedWarning.__name__}")
 
@@ -22,7 +23,7 @@ ORIGINALS = (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_
 
 def _untouched() -> bool:
     return (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_,
-            torch.nn.utils.clip_grads_with_norm_) == ORIGINALS and not CLIP_INTERCEPTOR.installed
+            torch.nn.utils.clip_grads_with_norm_) == ORIGINALS and not any(p.installed for p in CLIP_FUNCTIONS)
 
 
 def test_figures_match_norms_measured_by_hand() -> None:
@@ -107,7 +108,7 @@ def test_the_patch_is_reference_counted_and_ignores_other_models() -> None:
     opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
     guard_a = nantrace.watch(a, opt_a, config=quiet())
     guard_b = nantrace.watch(b, opt_b, config=quiet())
-    assert CLIP_INTERCEPTOR.installed and torch.nn.utils.clip_grad_norm_ is not ORIGINALS[0]
+    assert all(p.installed for p in CLIP_FUNCTIONS) and torch.nn.utils.clip_grad_norm_ is not ORIGINALS[0]
     x, y = classification_batches()(0)
     for model, opt in ((a, opt_a), (b, opt_b), (b, opt_b)):
         opt.zero_grad()
@@ -115,7 +116,7 @@ def test_the_patch_is_reference_counted_and_ignores_other_models() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
     guard_a.close()
-    assert CLIP_INTERCEPTOR.installed  # b still watches
+    assert all(p.installed for p in CLIP_FUNCTIONS)  # b still watches
     b_grads = [p for p in b.parameters()]
     torch.nn.utils.clip_grads_with_norm_(b_grads, 0.5, torch.tensor(1.0))  # the two-call API is seen too
     guard_b.close()

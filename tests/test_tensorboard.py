@@ -115,6 +115,6 @@ def test_missing_tensorboard_says_what_to_install(monkeypatch, tmp_path) -> None
     with pytest.raises(ImportError, match=r"pip install 'nantrace\[tensorboard\]'"):
         nantrace.watch(model, opt, config=quiet(tensorboard=str(tmp_path)))
     assert_unhooked(model, opt)
-    from nantrace.dynamics.clipping import CLIP_INTERCEPTOR
+    from nantrace.patches import CLIP_FUNCTIONS
 
-    assert not CLIP_INTERCEPTOR.installed
+    assert not any(p.installed for p in CLIP_FUNCTIONS)

@@ -1,5 +1,6 @@
 """GradScaler instrumentation: the guard wraps a scaler's ``scale``, ``unscale_`` and
-``step`` on the instance (there is no hook API), and puts them back on close."""
+``step`` on the instance (there is no hook API; declared in ``nantrace.patches``), and puts
+them back on close. Each wrapper passes calls through once its guard is closed."""
 
 from __future__ import annotations
 
@@ -10,35 +11,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .patches import PatchUnit
+
 if TYPE_CHECKING:
     from .guard import Guard
 
 _NAMES = ("scale", "unscale_", "step")
 
 
-def patch_scaler(guard: "Guard") -> dict[str, Any]:
-    """Wrap the scaler's methods; returns what to restore (``None`` = no instance attribute before)."""
+def patch_scaler(guard: "Guard", unit: PatchUnit) -> None:
+    """Wrap the scaler's methods on the instance, as part of the guard's patch unit (removed with it)."""
     scaler = guard.scaler
     guard_ref = weakref.ref(guard)
-    originals: dict[str, Any] = {}
     builders = {"scale": _scale, "unscale_": _unscale, "step": _step}
     for name in _NAMES:
-        originals[name] = scaler.__dict__.get(name)
         wrapper = builders[name](getattr(scaler, name), guard_ref)
-        wrapper._nantrace_guard = True
-        setattr(scaler, name, wrapper)
-    return originals
-
-
-def unpatch_scaler(scaler: Any, originals: dict[str, Any]) -> None:
-    """Put back what :func:`patch_scaler` replaced, if it is still ours."""
-    for name, original in originals.items():
-        current = scaler.__dict__.get(name)
-        if current is not None and getattr(current, "_nantrace_guard", False):
-            if original is None:
-                del scaler.__dict__[name]
-            else:
-                setattr(scaler, name, original)
+        wrapper._nantrace_guard = True  # type: ignore[attr-defined]
+        unit.attribute(scaler, name, wrapper, purpose="the guard's GradScaler instrumentation")
 
 
 def _scale(original: Callable[..., Any], guard_ref: Any) -> Callable[..., Any]:

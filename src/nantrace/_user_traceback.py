@@ -8,9 +8,9 @@ and torch's *below the user's last frame* when a ``NonFiniteError`` is shown, th
 diagnosis:
 
 - :func:`user_traceback` trims a traceback chain (``tb_next`` is writable) to the user's frames;
-- :func:`install_excepthook` (called by ``nantrace.watch``, once per process) chains a
-  ``sys.excepthook`` that does so for an uncaught ``NonFiniteError`` and hands every other
-  exception to the hook it found, untouched;
+- :func:`install_excepthook` (called by ``nantrace.watch``) turns this on in nantrace's one
+  ``sys.excepthook`` (``nantrace.patches``), which hands every other exception to the hook it
+  found, untouched;
 - ``nantrace run`` trims the same way (``autowatch``).
 
 Usage::
@@ -39,7 +39,7 @@ import torch
 
 from .errors import NonFiniteError
 
-__all__ = ["diagnosis_lines", "install_excepthook", "user_traceback"]
+__all__ = ["diagnosis_lines", "install_excepthook", "show_nonfinite_error", "user_traceback"]
 
 _NANTRACE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -92,23 +92,18 @@ def diagnosis_lines(incident: Any) -> list[str]:
     return lines
 
 
-def _excepthook(previous: Any) -> Any:
-    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        if not isinstance(exc, NonFiniteError):
-            previous(exc_type, exc, tb)
-            return
-        tb = user_traceback(tb)
-        exc.__traceback__ = tb
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        sys.stderr.write(text + "\n" + "\n".join(diagnosis_lines(exc.incident)) + "\n")
-        sys.stderr.flush()
-
-    hook._nantrace = True  # type: ignore[attr-defined]
-    hook.previous = previous  # type: ignore[attr-defined]
-    return hook
+def show_nonfinite_error(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    """Print an uncaught ``NonFiniteError`` ending in the user's frames, then the diagnosis
+    (called by nantrace's one ``sys.excepthook``, ``nantrace.patches.EXCEPTHOOK``)."""
+    tb = user_traceback(tb)
+    exc.__traceback__ = tb
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    sys.stderr.write(text + "\n" + "\n".join(diagnosis_lines(exc.incident)) + "\n")  # type: ignore[attr-defined]
+    sys.stderr.flush()
 
 
 def install_excepthook() -> None:
-    """Chain nantrace's ``sys.excepthook`` (once per process; only ``NonFiniteError`` is affected)."""
-    if not getattr(sys.excepthook, "_nantrace", False):
-        sys.excepthook = _excepthook(sys.excepthook)
+    """Show an uncaught ``NonFiniteError`` this way for the rest of the process (idempotent)."""
+    from .patches import install_user_traceback
+
+    install_user_traceback()

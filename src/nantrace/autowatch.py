@@ -43,6 +43,7 @@ from torch import nn
 from .config import Config
 from .errors import NonFiniteError
 from .integrations import GuardSession, check_watch_kwargs
+from .patches import AttributePatch, patch_attribute
 
 __all__ = ["AutoWatch", "ScriptResult", "default_run_dir", "run_script"]
 
@@ -70,8 +71,7 @@ class AutoWatch:
         self._order = itertools.count()
         self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._local = threading.local()
-        self._scaler_step: Any = None
-        self._scaler_wrapper: Any = None
+        self._scaler_patch: AttributePatch | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "AutoWatch":
@@ -99,10 +99,9 @@ class AutoWatch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        scaler_cls = torch.amp.GradScaler
-        if self._scaler_wrapper is not None and scaler_cls.__dict__.get("step") is self._scaler_wrapper:
-            scaler_cls.step = self._scaler_step  # type: ignore[method-assign]
-        self._scaler_step = self._scaler_wrapper = None
+        if self._scaler_patch is not None:
+            self._scaler_patch.remove()
+            self._scaler_patch = None
         for session in self.sessions:
             session.close()
 
@@ -154,8 +153,7 @@ class AutoWatch:
             return original(scaler, optimizer, *args, **kwargs)
 
         step._nantrace_autowatch = True  # type: ignore[attr-defined]
-        self._scaler_step, self._scaler_wrapper = original, step
-        scaler_cls.step = step  # type: ignore[method-assign]
+        self._scaler_patch = patch_attribute(scaler_cls, "step", step, purpose="nantrace run finds the scaler")
 
     # ------------------------------------------------------------------ pairing
     def _attach(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:

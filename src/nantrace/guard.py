@@ -34,9 +34,8 @@ from torch import nn
 
 from .taxonomy import DATA_INCIDENT_CAUSES, Action, is_finite_trouble
 from . import console
-from ._excepthook import EXCEPTHOOK
-from ._interception import INTERCEPTOR
-from ._scaler_hooks import patch_scaler, unpatch_scaler
+from ._scaler_hooks import patch_scaler
+from .patches import BACKWARD, EXCEPTHOOK, PatchUnit
 from .capture import (
     AutocastState,
     CallRecord,
@@ -129,7 +128,8 @@ class Guard:
         self.closed = False
 
         self._handles: list[Any] = []
-        self._scaler_originals: dict[str, Any] = {}
+        self._patches = PatchUnit(id(self))
+        """Every process-wide patch this guard holds (``nantrace.patches``), removed as a unit by ``close()``."""
         self._tape = LossTape() if config.localisation.record_loss_code else None
         self._pending_exception: BaseException | None = None
         self._capture = self._new_capture()
@@ -202,9 +202,9 @@ class Guard:
             self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
         if self.scaler is not None:
-            self._scaler_originals = patch_scaler(self)
-        INTERCEPTOR.add(id(self), self._on_loss)
-        EXCEPTHOOK.add(id(self), self.diagnose_exception)
+            patch_scaler(self, self._patches)
+        self._patches.listen(BACKWARD, self._on_loss)
+        self._patches.listen(EXCEPTHOOK, self.diagnose_exception)
         if self._tape is not None:
             self._tape.on_exception = self.note_exception
         self.checks_local_grads = self.world_size > 1 and install_local_grad_check(self)
@@ -697,6 +697,7 @@ class Guard:
         self._capture = self._new_capture()
         self._decision = None
         self._unscaled = False
+        BACKWARD.ensure()  # another tool's clean-up may have dropped our layer: wrap again
 
     def add_scheduler(self, scheduler: Any) -> None:
         """Declare an LR scheduler for ``rollback`` to restore (those driving the optimizer are found on their own)."""
@@ -803,11 +804,7 @@ class Guard:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self.scaler is not None:
-            unpatch_scaler(self.scaler, self._scaler_originals)
-            self._scaler_originals.clear()
-        INTERCEPTOR.remove(id(self))
-        EXCEPTHOOK.remove(id(self))
+        self._patches.remove()
         if self._tape is not None:
             self._tape.on_exception = None
             self._tape.detach()
@@ -826,8 +823,7 @@ class Guard:
     def __del__(self) -> None:  # a forgotten guard must not leave the backward patch behind
         try:
             if not self.closed:
-                INTERCEPTOR.remove(id(self))
-                EXCEPTHOOK.remove(id(self))
+                self._patches.remove()
         except Exception:
             pass
 

@@ -2,8 +2,8 @@
 pre-clip norms, and a ``max_norm`` suggested by the run's own healthy norms.
 
 While a guard is open, ``torch.nn.utils.clip_grad_norm_`` (and ``clip_grads_with_norm_``,
-the two-call form) are wrapped process-wide by one reference-counted interceptor,
-restored when the last guard closes. ``clip_grad_norm_`` returns the total norm *before*
+the two-call form) are wrapped process-wide (declared in ``nantrace.patches``), restored when
+the last guard closes. ``clip_grad_norm_`` returns the total norm *before*
 clipping, so the wrapper gets it for free: a device scalar, kept as is and read in batches
 (every ``flush_every`` steps, without a synchronisation of its own). A call made with a
 name imported before the guard opened (``from torch.nn.utils import clip_grad_norm_`` at
@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import threading
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..patches import CLIP_FUNCTIONS
 from ._common import SafeMonitor
 from ._readback import DeferredRead, stack_on
 from .base import Signal, StepContext
@@ -39,7 +39,7 @@ from .base import Signal, StepContext
 if TYPE_CHECKING:
     from ..guard import Guard
 
-__all__ = ["CLIP_INTERCEPTOR", "ClipMonitor", "suggest_max_norm"]
+__all__ = ["ClipMonitor", "clipping_wrapper", "suggest_max_norm"]
 
 ClipListener = Callable[[list[torch.Tensor], float, float, torch.Tensor], None]
 
@@ -63,90 +63,35 @@ def suggest_max_norm(pre_clip_norms: Any, quantile: float = _SUGGEST_QUANTILE) -
     return float(np.quantile(values, quantile))
 
 
-class _ClipInterceptor:
-    """Reference-counted process-wide wrapper of the clipping functions of ``torch.nn.utils``."""
+def clipping_wrapper(original: Callable[..., Any], patch: Any, kind: str) -> Callable[..., Any]:
+    """The wrapper ``nantrace.patches`` installs over a clipping function of ``torch.nn.utils``:
+    ``kind`` ``"norm"`` for ``clip_grad_norm_`` (it returns the pre-clip norm), ``"with_norm"`` for
+    ``clip_grads_with_norm_`` (the two-call form, given the norm)."""
+    names = tuple(inspect.signature(original).parameters)  # parameters, max_norm, norm_type | total_norm, ...
 
-    _TARGETS = (("torch.nn.utils", "clip_grad_norm_"), ("torch.nn.utils.clip_grad", "clip_grad_norm_"),
-                ("torch.nn.utils", "clip_grads_with_norm_"))
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._listeners: dict[int, ClipListener] = {}
-        self._originals: dict[tuple[str, str], Callable[..., Any]] = {}
-        self._wrappers: dict[tuple[str, str], Callable[..., Any]] = {}
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._originals)
-
-    def add(self, key: int, listener: ClipListener) -> None:
-        with self._lock:
-            self._listeners[key] = listener
-            if not self._originals:
-                self._patch()
-
-    def remove(self, key: int) -> None:
-        with self._lock:
-            self._listeners.pop(key, None)
-            if not self._listeners and self._originals:
-                self._unpatch()
-
-    def _patch(self) -> None:
-        import importlib
-
-        for target in self._TARGETS:
-            module = importlib.import_module(target[0])
-            original = getattr(module, target[1], None)
-            if original is None:
-                continue
-            wrapper = self._wrap_norm(original) if target[1] == "clip_grad_norm_" else self._wrap_with_norm(original)
-            self._originals[target] = original
-            self._wrappers[target] = wrapper
-            setattr(module, target[1], wrapper)
-
-    def _unpatch(self) -> None:
-        import importlib
-
-        for target, original in self._originals.items():
-            module = importlib.import_module(target[0])
-            if getattr(module, target[1], None) is self._wrappers[target]:
-                setattr(module, target[1], original)
-        self._originals.clear()
-        self._wrappers.clear()
-
-    def _notify(self, params: list[torch.Tensor], max_norm: Any, norm_type: Any, total: Any) -> None:
-        if not isinstance(total, torch.Tensor) or max_norm is None:
-            return
-        for listener in list(self._listeners.values()):
-            listener(params, float(max_norm), float(norm_type), total)
-
-    def _wrap_norm(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        names = tuple(inspect.signature(original).parameters)  # parameters, max_norm, norm_type, ...
-
-        @functools.wraps(original)
-        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-            args, params = _materialise(args, kwargs)
-            total = original(*args, **kwargs)
-            self._notify(params, _arg(args, kwargs, names, "max_norm", None), _arg(args, kwargs, names, "norm_type", 2.0),
-                         total)
-            return total
-
-        clip_grad_norm_._nantrace_clip = True  # type: ignore[attr-defined]
-        return clip_grad_norm_
-
-    def _wrap_with_norm(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        names = tuple(inspect.signature(original).parameters)  # parameters, max_norm, total_norm, ...
-
-        @functools.wraps(original)
-        def clip_grads_with_norm_(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(original)
+    def clip(*args: Any, **kwargs: Any) -> Any:
+        patch.enter()
+        try:
+            listeners = patch.listeners()
+            if not listeners:
+                patch.tidy()
+                return original(*args, **kwargs)
             args, params = _materialise(args, kwargs)
             out = original(*args, **kwargs)
-            self._notify(params, _arg(args, kwargs, names, "max_norm", None), 2.0,
-                         _arg(args, kwargs, names, "total_norm", None))
+            max_norm = _arg(args, kwargs, names, "max_norm", None)
+            if kind == "norm":
+                norm_type, total = _arg(args, kwargs, names, "norm_type", 2.0), out
+            else:
+                norm_type, total = 2.0, _arg(args, kwargs, names, "total_norm", None)
+            if isinstance(total, torch.Tensor) and max_norm is not None:
+                for listener in listeners:
+                    listener(params, float(max_norm), float(norm_type), total)
             return out
+        finally:
+            patch.leave()
 
-        clip_grads_with_norm_._nantrace_clip = True  # type: ignore[attr-defined]
-        return clip_grads_with_norm_
+    return clip
 
 
 def _materialise(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], list[torch.Tensor]]:
@@ -164,10 +109,6 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], 
         return kwargs[name]
     position = names.index(name) if name in names else len(args)
     return args[position] if position < len(args) else default
-
-
-CLIP_INTERCEPTOR = _ClipInterceptor()
-"""The one process-wide clipping interceptor (active while at least one guard observes clipping)."""
 
 
 class ClipMonitor(SafeMonitor):
@@ -199,12 +140,14 @@ class ClipMonitor(SafeMonitor):
 
     def _attach(self, guard: "Guard") -> None:
         self._ids = {id(p) for p in guard._params}
-        CLIP_INTERCEPTOR.add(id(self), self._on_clip)
+        for patch in CLIP_FUNCTIONS:
+            patch.add(id(self), self._on_clip)
         self._registered = True
 
     def _uninstall(self) -> None:
         if self._registered:
-            CLIP_INTERCEPTOR.remove(id(self))
+            for patch in CLIP_FUNCTIONS:
+                patch.remove(id(self))
             self._registered = False
 
     def _on_clip(self, params: list[torch.Tensor], max_norm: float, norm_type: float, total: torch.Tensor) -> None:

@@ -1,0 +1,365 @@
+"""Every process-wide change nantrace makes, declared in one place.
+
+nantrace changes nothing outside the objects it is given except what :data:`DECLARED` lists.
+Each entry is installed while something needs it and removed when the last user closes;
+:func:`installed` says what is in place right now.
+
+How patches live with other tools that patch the same function (a profiler, another debugger):
+
+- a patch wraps *whatever is there when it is installed* and keeps that function for good, so a
+  layer of ours always calls on to the function it wrapped, never to the module attribute (which
+  may be a later tool's wrapper around us: calling it would recurse forever);
+- it is removed only while it is still on top (the module attribute is our wrapper); when another
+  tool wrapped it since, our layer stays in that tool's chain as a pass-through that notifies
+  nobody, is reused when a guard opens again, and leaves at its next call once that tool has
+  put it back on top;
+- a layer notifies only once per call, however many of our layers a chain holds;
+- a tool that, closing, puts back what it found before we wrapped it drops our layer: the guard
+  calls :meth:`FunctionPatch.ensure` at each step, which wraps again.
+
+So tools may stack in any order and close in any order.
+
+Usage::
+
+    >>> from nantrace import patches
+    >>> guard = nantrace.watch(model, optimizer)
+    >>> patches.installed()
+    ['torch.autograd.backward (1 listener)', 'sys.excepthook (1 listener)', ...]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["BACKWARD", "CLIP_FUNCTIONS", "DECLARED", "EXCEPTHOOK", "AttributePatch", "Declared", "FunctionPatch",
+           "PatchUnit", "install_user_traceback", "installed", "patch_attribute"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """One process-wide change: what is changed, why, and while when."""
+
+    target: str
+    purpose: str
+    lifetime: str
+
+
+DECLARED: tuple[Declared, ...] = (
+    Declared("torch.autograd.backward",
+             "sees each scalar loss that ``loss.backward()`` runs on: the step's loss check and the end of the "
+             "loss tape, without a change to the loop", "while a guard is open"),
+    Declared("sys.excepthook",
+             "one hook: diagnoses a step whose exception ended the script, and shows an uncaught "
+             "NonFiniteError ending in the user's frames followed by the diagnosis",
+             "diagnosis while a guard is open; the NonFiniteError display from the first watch(on_anomaly="
+             "'raise'|'pause') to the end of the process"),
+    Declared("torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_, "
+             "torch.nn.utils.clip_grads_with_norm_",
+             "the clipping monitor sees the pre-clip norm (Config.dynamics.clip_stats)", "while a clip monitor is attached"),
+    Declared("GradScaler.scale, .unscale_, .step on the watched scaler instance",
+             "the scaled loss, whether gradients were unscaled, and the decision before scaler.step",
+             "while the guard watching that scaler is open"),
+    Declared("torch.amp.GradScaler.step (the class)",
+             "``nantrace run`` finds the optimizer and scaler of an unmodified script", "while ``nantrace run`` watches"),
+    Declared("gc.get_referrers(optimizer) (read only)",
+             "on_anomaly='rollback' finds the LR schedulers driving the optimizer, to restore them with it "
+             "(or declare them: guard.add_scheduler)", "once, at the first healthy step"),
+    Declared("marker attributes",
+             "``_nantrace_scaled`` on GradScaler.scale's output (its backward is not a second loss); "
+             "``_nantrace_version`` on the guard's own buffer copies; ``_nantrace_seen`` on an exception already "
+             "diagnosed; ``_nantrace_replayable`` on guard.replayable's wrapper; ``_nantrace_patch`` on our wrappers",
+             "for the object's life"),
+)
+"""The whole list. A change to nantrace that patches anything else adds it here."""
+
+
+class FunctionPatch:
+    """A module-level function wrapped while at least one listener needs it.
+
+    ``wrap(original, patch)`` builds the wrapper: it calls ``original`` (the function it wrapped,
+    never the module attribute) and hands what it saw to ``patch.listeners()``.
+    """
+
+    def __init__(self, target: str, wrap: Callable[[Callable[..., Any], "FunctionPatch"], Callable[..., Any]]) -> None:
+        self.target = target
+        self._module, _, self._attr = target.rpartition(".")
+        self._wrap = wrap
+        self._lock = threading.RLock()
+        self._listeners: dict[Any, Callable[..., Any]] = {}
+        self._layers: list[Callable[..., Any]] = []  # ours, oldest first; a buried one stays a pass-through
+        self._local = threading.local()
+
+    # ------------------------------------------------------------ listeners
+    def add(self, key: Any, listener: Callable[..., Any]) -> None:
+        with self._lock:
+            if not self._listeners:
+                self._activate()
+            self._listeners[key] = listener
+
+    def remove(self, key: Any) -> None:
+        with self._lock:
+            if self._listeners.pop(key, None) is not None and not self._listeners:
+                self._deactivate()
+
+    def has(self, key: Any) -> bool:
+        return key in self._listeners
+
+    def listeners(self) -> list[Callable[..., Any]]:
+        """The listeners to notify for this call: none inside a call already notified (nested layers)."""
+        if getattr(self._local, "depth", 0) > 1:
+            return []
+        return list(self._listeners.values())
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._listeners)
+
+    # ------------------------------------------------------------ the wrapper chain
+    def enter(self) -> None:
+        """Count a call into one of this patch's layers (a layer notifies only outside another)."""
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+
+    def leave(self) -> None:
+        self._local.depth -= 1
+
+    def ensure(self) -> None:
+        """Put a layer back if another tool's clean-up dropped ours from the chain (it restored what
+        it had found before we wrapped it); cheap enough to call once per step."""
+        if not self._listeners:
+            return
+        current = getattr(self._owner(), self._attr, None)
+        if self._layers and _reaches(current, self._layers[-1]):
+            return
+        with self._lock:
+            if self._listeners:
+                self._activate()
+
+    def tidy(self) -> None:
+        """Called by an idle layer: if another tool has since put it back on top, leave the chain."""
+        if self._listeners or not self._layers:
+            return
+        with self._lock:
+            if not self._listeners and self._layers and getattr(self._owner(), self._attr, None) is self._layers[-1]:
+                setattr(self._owner(), self._attr, self._layers.pop()._nantrace_original)  # type: ignore[attr-defined]
+
+    def _owner(self) -> Any:
+        return importlib.import_module(self._module) if self._module != "sys" else sys
+
+    def _activate(self) -> None:
+        owner = self._owner()
+        current = getattr(owner, self._attr, None)
+        if current is None:
+            return
+        for i, layer in enumerate(self._layers):
+            if _reaches(current, layer):  # a layer of ours is still in the chain (another tool wrapped it)
+                self._layers.append(self._layers.pop(i))  # the one to check for first from now on
+                return
+        layer = self._wrap(current, self)
+        layer._nantrace_patch = self.target  # type: ignore[attr-defined]
+        layer._nantrace_original = current  # type: ignore[attr-defined]
+        setattr(owner, self._attr, layer)
+        self._layers.append(layer)
+
+    def _deactivate(self) -> None:
+        owner = self._owner()
+        current = getattr(owner, self._attr, None)
+        if self._layers and current is self._layers[-1]:
+            setattr(owner, self._attr, self._layers.pop()._nantrace_original)  # type: ignore[attr-defined]
+        # otherwise another tool wrapped us since: our layer stays in its chain, passing calls through
+
+    def __repr__(self) -> str:
+        return f"<FunctionPatch {self.target} listeners={len(self._listeners)} layers={len(self._layers)}>"
+
+
+def _reaches(function: Any, layer: Any) -> bool:
+    """``function`` is ``layer`` or wraps it (``functools.wraps``'s ``__wrapped__``, our ``_nantrace_original``)."""
+    for _ in range(32):
+        if function is layer:
+            return True
+        function = getattr(function, "__wrapped__", None) or getattr(function, "_nantrace_original", None)
+        if function is None:
+            return False
+    return False
+
+
+# ------------------------------------------------------------------ torch.autograd.backward
+def _wrap_backward(original: Callable[..., Any], patch: FunctionPatch) -> Callable[..., Any]:
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        patch.enter()
+        try:
+            listeners = patch.listeners()
+            if listeners and isinstance(tensors, torch.Tensor) and tensors.numel() == 1 and \
+                    tensors.is_floating_point() and not getattr(tensors, "_nantrace_scaled", False):
+                for listener in listeners:
+                    listener(tensors)
+            elif not listeners:
+                patch.tidy()
+            return original(tensors, *args, **kwargs)
+        finally:
+            patch.leave()
+
+    backward.__wrapped__ = original  # type: ignore[attr-defined]
+    backward.__doc__, backward.__name__, backward.__qualname__ = original.__doc__, original.__name__, original.__qualname__
+    backward.__module__ = original.__module__
+    return backward
+
+
+BACKWARD = FunctionPatch("torch.autograd.backward", _wrap_backward)
+"""Listeners: ``(loss) -> None``, for each scalar floating loss ``backward()`` runs on."""
+
+
+# ------------------------------------------------------------------ sys.excepthook
+_USER_TRACEBACK = "nonfinite-error-display"
+
+
+def _wrap_excepthook(original: Callable[..., Any], patch: FunctionPatch) -> Callable[..., Any]:
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        patch.enter()
+        try:
+            listeners = patch.listeners()
+            from .errors import NonFiniteError
+
+            if isinstance(exc, NonFiniteError) and patch.has(_USER_TRACEBACK) and listeners:
+                from ._user_traceback import show_nonfinite_error
+
+                show_nonfinite_error(exc_type, exc, tb)
+            else:
+                original(exc_type, exc, tb)
+            for listener in listeners:
+                try:
+                    listener(exc)
+                except Exception:  # the process is ending: never hide the user's exception behind ours
+                    pass
+            if not listeners:
+                patch.tidy()
+        finally:
+            patch.leave()
+
+    excepthook.__wrapped__ = original  # type: ignore[attr-defined]
+    return excepthook
+
+
+EXCEPTHOOK = FunctionPatch("sys.excepthook", _wrap_excepthook)
+"""Listeners: ``(exception) -> None`` for an uncaught exception (after Python's report of it)."""
+
+
+def install_user_traceback() -> None:
+    """Show an uncaught ``NonFiniteError`` ending in the user's frames, then the diagnosis (for the
+    rest of the process: the error usually ends the script after its guard closed)."""
+    EXCEPTHOOK.add(_USER_TRACEBACK, lambda exc: None)
+
+
+# ------------------------------------------------------------------ gradient clipping
+def _clip_wrapper(kind: str) -> Callable[[Callable[..., Any], FunctionPatch], Callable[..., Any]]:
+    def wrap(original: Callable[..., Any], patch: FunctionPatch) -> Callable[..., Any]:
+        from .dynamics.clipping import clipping_wrapper
+
+        wrapper = clipping_wrapper(original, patch, kind)
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        return wrapper
+
+    return wrap
+
+
+CLIP_FUNCTIONS: tuple[FunctionPatch, ...] = (
+    FunctionPatch("torch.nn.utils.clip_grad_norm_", _clip_wrapper("norm")),
+    FunctionPatch("torch.nn.utils.clip_grad.clip_grad_norm_", _clip_wrapper("norm")),
+    FunctionPatch("torch.nn.utils.clip_grads_with_norm_", _clip_wrapper("with_norm")),
+)
+"""Listeners: ``(params, max_norm, norm_type, total_norm) -> None`` after each clipping call."""
+
+
+# ------------------------------------------------------------------ attributes of one object
+class AttributePatch:
+    """One attribute of one object (a GradScaler instance's method, a class's method) replaced by a wrapper.
+
+    The wrapper must pass calls through once its owner has closed: :meth:`remove` puts the original
+    back only while the wrapper is still what the object holds.
+    """
+
+    _live: "weakref.WeakSet[AttributePatch]" = weakref.WeakSet()
+
+    def __init__(self, owner: Any, name: str, wrapper: Callable[..., Any], *, purpose: str) -> None:
+        self._owner = owner
+        self.name = name
+        self.purpose = purpose
+        self.label = f"{type(owner).__name__ if not isinstance(owner, type) else owner.__name__}.{name}"
+        in_dict = vars(owner) if not isinstance(owner, type) else owner.__dict__
+        self._had_own = name in in_dict
+        self._original = in_dict.get(name)
+        self._wrapper = wrapper
+        wrapper._nantrace_patch = self.label  # type: ignore[attr-defined]
+        setattr(owner, name, wrapper)
+        AttributePatch._live.add(self)
+
+    @property
+    def original(self) -> Any:
+        """What the object held before (``None`` when the attribute came from its class)."""
+        return self._original
+
+    def remove(self) -> None:
+        if self._owner is None:
+            return
+        in_dict = vars(self._owner) if not isinstance(self._owner, type) else self._owner.__dict__
+        if in_dict.get(self.name) is self._wrapper:
+            if self._had_own:
+                setattr(self._owner, self.name, self._original)
+            else:
+                delattr(self._owner, self.name)
+        self._owner = None
+        AttributePatch._live.discard(self)
+
+    def __repr__(self) -> str:
+        return f"<AttributePatch {self.label}>"
+
+
+def patch_attribute(owner: Any, name: str, wrapper: Callable[..., Any], *, purpose: str) -> AttributePatch:
+    """Replace ``owner.name`` with ``wrapper`` (declared in :data:`DECLARED`); ``.remove()`` undoes it."""
+    return AttributePatch(owner, name, wrapper, purpose=purpose)
+
+
+# ------------------------------------------------------------------ a guard's patches, as a unit
+class PatchUnit:
+    """The patches one owner (a guard) holds, installed together and removed together."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+        self._functions: list[FunctionPatch] = []
+        self._attributes: list[AttributePatch] = []
+
+    def listen(self, patch: FunctionPatch | Iterable[FunctionPatch], listener: Callable[..., Any]) -> None:
+        for p in (patch,) if isinstance(patch, FunctionPatch) else patch:
+            p.add(self.key, listener)
+            self._functions.append(p)
+
+    def attribute(self, owner: Any, name: str, wrapper: Callable[..., Any], *, purpose: str) -> AttributePatch:
+        handle = patch_attribute(owner, name, wrapper, purpose=purpose)
+        self._attributes.append(handle)
+        return handle
+
+    def remove(self) -> None:
+        """Remove every patch of the unit (idempotent)."""
+        for p in self._functions:
+            p.remove(self.key)
+        self._functions.clear()
+        for handle in reversed(self._attributes):
+            handle.remove()
+        self._attributes.clear()
+
+
+def installed() -> list[str]:
+    """What nantrace has patched in this process right now, one line each."""
+    out = []
+    for p in (BACKWARD, EXCEPTHOOK, *CLIP_FUNCTIONS):
+        if p.installed:
+            out.append(f"{p.target} ({len(p._listeners)} listener{'s' if len(p._listeners) != 1 else ''})")
+    out.extend(sorted(f"{h.label} ({h.purpose})" for h in list(AttributePatch._live)))
+    return out
