@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import assert_unhooked
-from nantrace.check import CheckSpec, CheckStepError, CheckUsageError, _ranges, load_target, run_check
+from nantrace.check import CheckSpec, CheckStepError, CheckUsageError, load_target, run_check, step_ranges
 
 TARGET = textwrap.dedent('''\
     import torch
@@ -331,5 +331,5 @@ def test_load_target_imports_a_file_without_shadowing_a_module(target):
 
 
 def test_ranges():
-    assert _ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
-    assert _ranges([4]) == "4"
+    assert step_ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
+    assert step_ranges([4]) == "4"

@@ -93,7 +93,7 @@ def test_the_fixture_passes_fails_with_the_diagnosis_and_expects(pytester):
     for expected in ("step 7 · nonfinite_loss · skipped", "aten.log.default", "'energy'", "log_nonpositive",
                      f"test_inner.py:{LOG_LINE}", "nantrace check: 12 steps, 1 incident: FAILED"):
         assert expected in log_zero, (expected, log_zero)
-    assert "nantrace/check.py" not in log_zero and "During handling" not in out  # the diagnosis, no traceback
+    assert "nantrace/check/" not in log_zero and "During handling" not in out  # the diagnosis, no traceback
     assert "expected nantrace check to find an incident; 12 steps ran clean" in out
     result.stdout.fnmatch_lines(["FAILED test_inner.py::test_log_zero*", "FAILED test_inner.py::test_expected_but_clean*"])
 
@@ -113,8 +113,8 @@ def test_the_marker_is_registered_and_checked(pytester):
 
 def test_loading_the_plugin_imports_nothing_beyond_nantrace():
     """At pytest start-up the plugin costs what ``import nantrace`` costs, nothing more."""
-    code = ("import sys, pytest, nantrace; before = set(sys.modules); import nantrace.testing.pytest_plugin; "
+    code = ("import sys, pytest, nantrace; before = set(sys.modules); import nantrace.check.pytest_plugin; "
             "print(sorted(set(sys.modules) - before))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "['nantrace.testing', 'nantrace.testing.pytest_plugin']"
+    assert proc.stdout.strip() == "['nantrace.check', 'nantrace.check.pytest_plugin']"

@@ -1,60 +1,27 @@
-"""``nantrace check``: a numerical-stability smoke test for CI, as a library call.
-
-A *check spec* says what to train: a model, its data, a loss function (and optionally an
-optimizer, a GradScaler, an autocast dtype, an LR scheduler). `run_check` trains it for a
-few steps on the CPU with a fixed seed under :func:`nantrace.watch`, validates every batch
-with :func:`nantrace.data.validate_batch`, and returns a `CheckResult`: every incident
-(numerical or data) with its full diagnosis, and the verdict. The command line
-(``nantrace check``) and the pytest plugin (``nantrace_check`` fixture) are thin glue
-around it.
-
-Usage::
-
-    # stability_check.py
-    import torch, torch.nn.functional as F
-    from nantrace.check import CheckSpec
-
-    def make_check() -> CheckSpec:
-        model = MyNet()
-        data = lambda step: (torch.randn(32, 8), torch.randint(0, 3, (32,)))
-        return CheckSpec(model=model, data=data, num_classes=3,
-                         loss_fn=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]))
-
-    $ nantrace check stability_check:make_check --steps 50
-    nantrace check: 50 steps, 0 incidents: OK
-
-    >>> from nantrace.check import run_check
-    >>> result = run_check("stability_check:make_check", steps=50)
-    >>> result.ok, result.exit_code, result.verdict
-    (True, 0, 'nantrace check: 50 steps, 0 incidents: OK')
-"""
+"""The check's contract: what a *check spec* is (:class:`CheckSpec`, or a dict, or a
+``module:function`` target returning one), how it is found and validated, and what a check
+returns (:class:`CheckResult`). The run itself is :mod:`nantrace.check.run`."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import inspect
 import os
-import random
 import re
 import sys
-import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .taxonomy import Action
-from .config import Config
-from .errors import NonFiniteError
-from .incident import Incident
-from .response.policies import POLICIES
-
+from ..config import Config
+from ..incident import Incident
+from ..response.policies import POLICIES
 __all__ = [
     "CHECK_POLICIES",
     "CheckResult",
@@ -63,7 +30,6 @@ __all__ = [
     "CheckUsageError",
     "load_target",
     "resolve_spec",
-    "run_check",
     "user_traceback",
 ]
 
@@ -240,19 +206,19 @@ class CheckResult:
         (on ``console``, default stdout: they are the check's result)."""
         from rich.text import Text
 
-        from .console import OUT, render_incident
+        from ..console import OUT, render_incident
 
         console = console or OUT
         for first, steps in self.groups():
             console.print(render_incident(first))
             if len(steps) > 1:
-                console.print(f"  the same diagnosis at {len(steps) - 1} more step(s): {_ranges(steps[1:])}",
+                console.print(f"  the same diagnosis at {len(steps) - 1} more step(s): {step_ranges(steps[1:])}",
                               soft_wrap=True, highlight=False, markup=False)
         warnings: dict[tuple[str, str], tuple[dict[str, Any], list[int]]] = {}
         for w in self.data_warnings:
             warnings.setdefault((w["cause"], w.get("path") or w["summary"]), (w, []))[1].append(w["step"])
         for w, steps in warnings.values():
-            console.print(f"data warning (does not fail the check) at step {_ranges(steps)}: [{w['cause']}] {w['summary']}",
+            console.print(f"data warning (does not fail the check) at step {step_ranges(steps)}: [{w['cause']}] {w['summary']}",
                           soft_wrap=True, highlight=False, markup=False)
         if self.stopped:
             console.print(f"stopped early: {self.stopped}", soft_wrap=True, highlight=False, markup=False)
@@ -272,7 +238,7 @@ class CheckResult:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable copy (incidents as ``Incident.to_dict()``)."""
-        from .data.issues import jsonable
+        from ..data.issues import jsonable
 
         return {
             "target": self.target, "ok": self.ok, "exit_code": self.exit_code, "verdict": self.verdict,
@@ -364,14 +330,14 @@ def resolve_spec(obj: Any, source: str | None = None) -> CheckSpec:
     elif all(hasattr(obj, k) for k in _REQUIRED):
         fields = {k: getattr(obj, k) for k in _REQUIRED + _OPTIONAL if hasattr(obj, k)}
     else:
-        raise CheckUsageError(f"{returned} {_described(obj)}; expected a nantrace.check.CheckSpec or a dict with {_KEYS}")
+        raise CheckUsageError(f"{returned} {describe_value(obj)}; expected a nantrace.check.CheckSpec or a dict with {_KEYS}")
     try:
         return CheckSpec(**fields)
     except (TypeError, ValueError) as exc:
         raise CheckUsageError(f"{source} returned an invalid spec: {exc}" if source else f"invalid check spec: {exc}") from None
 
 
-def _call_factory(fn: Callable[..., Any], label: str) -> Any:
+def call_factory(fn: Callable[..., Any], label: str) -> Any:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -387,220 +353,6 @@ def _call_factory(fn: Callable[..., Any], label: str) -> Any:
         raise CheckUsageError(f"{label} raised {type(exc).__name__}: {exc}", user_traceback(exc)) from None
 
 
-# ---------------------------------------------------------------------- the run
-
-
-def run_check(
-    spec: CheckSpec | dict[str, Any] | Callable[[], Any] | str,
-    *,
-    steps: int = DEFAULT_STEPS,
-    seed: int = 0,
-    on_anomaly: str = "skip",
-    run_dir: str | os.PathLike[str] | None = None,
-    policy: str | None = None,
-) -> CheckResult:
-    """Train `spec` for `steps` steps under :func:`nantrace.watch` and report every incident.
-
-    `spec` is a `CheckSpec`, a dict with its fields, a function taking no arguments that
-    returns one (called after seeding, so the model's initialisation is fixed), or a
-    ``"module:function"`` / ``"path/file.py:function"`` target naming such a function.
-    Python's, NumPy's and torch's RNGs are seeded with `seed` and restored afterwards.
-    Every batch is validated first: NaN/Inf inputs and out-of-range labels are incidents
-    (``phase="data"``) and the batch is not trained on; the other data findings are
-    `CheckResult.data_warnings`. The loss function runs through ``guard.replayable`` so a
-    failure inside it is localised too. ``on_anomaly`` is the guard's policy: with
-    ``"skip"`` or ``"rollback"`` the check goes on and counts every incident, with
-    ``"raise"`` or ``"pause"`` it stops at the first one (``policy=`` is a deprecated
-    alias of ``on_anomaly=``). Raises `CheckUsageError` (contract violations) and `CheckStepError`
-    (the user's code raised during a step).
-
-    Usage::
-
-        result = run_check("stability_check:make_check", steps=50)
-        print(result.verdict)   # nantrace check: 50 steps, 1 incident: FAILED
-        for inc in result.incidents:
-            print(inc.step, inc.op, inc.module, inc.cause)   # 7 aten.log.default energy log_nonpositive
-    """
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise CheckUsageError(f"steps must be a positive int; got {steps!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise CheckUsageError(f"seed must be an int; got {seed!r}")
-    if policy is not None:
-        import warnings
-
-        warnings.warn("run_check(policy=...) is deprecated; pass on_anomaly=... (the name nantrace.watch uses)",
-                      DeprecationWarning, stacklevel=2)
-        on_anomaly = policy
-    if on_anomaly not in CHECK_POLICIES:
-        raise CheckUsageError(f"unknown on_anomaly policy {on_anomaly!r}; expected one of {', '.join(CHECK_POLICIES)}")
-    target: str | None = None
-    if isinstance(spec, str):
-        target = spec
-        spec = load_target(spec)
-    if isinstance(spec, nn.Module):
-        raise CheckUsageError("run_check needs a check spec (model, data, loss_fn), not a bare model: "
-                              "pass CheckSpec(model=..., data=..., loss_fn=...) or a dict with those keys")
-    start = time.perf_counter()
-    with _seeded(seed):
-        if callable(spec) and not isinstance(spec, (CheckSpec, dict)):
-            label = f"{getattr(spec, '__name__', type(spec).__name__)}()"
-            target = target or getattr(spec, "__qualname__", None)
-            spec = resolve_spec(_call_factory(spec, label), label)
-        else:
-            spec = resolve_spec(spec)
-        result = _train(spec, steps=steps, seed=seed, policy=on_anomaly, run_dir=run_dir)
-    result.target = target
-    result.seconds = time.perf_counter() - start
-    return result
-
-
-def _train(spec: CheckSpec, *, steps: int, seed: int, policy: str, run_dir: Any) -> CheckResult:
-    import nantrace
-    from .data import GUARD_CAUSES, BatchSchema, validate_batch
-
-    model = spec.model
-    optimizer = spec.optimizer if spec.optimizer is not None else torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = (spec.config or Config()).replace(outputs={"print_incidents": False})
-    stops = policy in ("raise", "pause")
-    result = CheckResult(target=None, steps=steps, steps_run=0, seed=seed, on_anomaly=policy, incidents=[],
-                         run_dir=os.fspath(run_dir) if run_dir is not None else None)
-    try:
-        guard = nantrace.watch(model, optimizer, spec.scaler, run_dir=run_dir, on_anomaly=policy, config=config)
-    except (TypeError, ValueError) as exc:
-        raise CheckUsageError(str(exc)) from None
-    loss_fn = guard.replayable(spec.loss_fn)
-    schema = BatchSchema()
-    device_type = next((p.device.type for p in model.parameters()), "cpu")
-    model.train()
-    try:
-        for step, batch in _batches(spec.data, steps):
-            result.steps_run = step + 1
-            report = validate_batch(batch, num_classes=spec.num_classes, reference=schema)
-            bad = [issue for issue in report.issues if issue.cause in GUARD_CAUSES]
-            for issue in report.issues:
-                if issue.cause not in GUARD_CAUSES:
-                    result.data_warnings.append({"step": step, **issue.to_dict()})
-            if bad:
-                for issue in bad:
-                    issue.details["action"] = {"raise": Action.RAISED, "pause": Action.PAUSED}.get(policy, Action.SKIPPED)
-                    guard.record_data_incident(issue)
-                if stops:
-                    result.stopped = f"on_anomaly={policy}: the batch of step {step} failed validation ({bad[0].cause})"
-                    break
-                _empty_step(optimizer, spec.lr_scheduler)  # the batch is dropped; the step still counts
-                continue
-            try:
-                _train_step(spec, model, optimizer, loss_fn, batch, device_type)
-            except NonFiniteError as exc:
-                result.stopped = (f"on_anomaly={policy}: stopped at step {step} ({exc.incident.kind}, {exc.incident.cause})"
-                                  if stops else
-                                  f"step {step}: {exc.incident.cause} cannot be skipped ({exc.incident.kind}); training cannot go on")
-                break
-            except CheckUsageError:
-                raise
-            except Exception as exc:
-                raise CheckStepError(step, exc) from exc
-        else:
-            if result.steps_run == 0:
-                raise CheckUsageError("data yielded no batch; it must yield at least one (or be a callable step -> batch)")
-    except _DataError as exc:
-        raise CheckStepError(exc.step, exc.__cause__ or exc, what="the data") from exc.__cause__
-    finally:
-        guard.close()
-    if result.steps_run < steps and result.stopped is None:
-        result.stopped = f"the data ran out after {result.steps_run} of {steps} steps"
-    result.incidents = list(guard.incidents)
-    return result
-
-
-def _train_step(spec: CheckSpec, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., Any],
-                batch: Any, device_type: str) -> None:
-    optimizer.zero_grad(set_to_none=True)
-    ctx = torch.autocast(device_type, dtype=spec.autocast) if spec.autocast is not None else contextlib.nullcontext()
-    with ctx:
-        loss = loss_fn(model, batch)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else _described(loss)
-        raise CheckUsageError(f"loss_fn(model, batch) must return a scalar tensor; got {got}")
-    if not loss.requires_grad:
-        raise CheckUsageError("loss_fn(model, batch) returned a loss that does not require grad "
-                              "(computed under torch.no_grad(), or detached from the model)")
-    if spec.scaler is not None:
-        spec.scaler.scale(loss).backward()
-        spec.scaler.step(optimizer)
-        spec.scaler.update()
-    else:
-        loss.backward()
-        optimizer.step()
-    if spec.lr_scheduler is not None:
-        spec.lr_scheduler.step()
-
-
-def _empty_step(optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> None:
-    """A step with no gradient: nothing is updated, but the step counts (as a skipped update
-    does), so incident steps stay equal to batch indices and the schedule stays aligned."""
-    optimizer.zero_grad(set_to_none=True)
-    optimizer.step()
-    if lr_scheduler is not None:
-        lr_scheduler.step()
-
-
-class _DataError(Exception):
-    def __init__(self, step: int) -> None:
-        super().__init__(step)
-        self.step = step
-
-
-def _batches(data: Any, steps: int) -> Iterator[tuple[int, Any]]:
-    """(step, batch) pairs: ``data(step)`` for a callable; passes over an iterable, again
-    and again for a re-iterable one (a list, a DataLoader), once for a one-shot iterator."""
-    if callable(data) and not hasattr(data, "__iter__"):
-        for step in range(steps):
-            try:
-                batch = data(step)
-            except Exception as exc:
-                raise _DataError(step) from exc
-            yield step, batch
-        return
-    step = 0
-    while step < steps:
-        try:
-            it = iter(data)
-        except Exception as exc:
-            raise _DataError(step) from exc
-        one_shot = it is data
-        got_any = False
-        while step < steps:
-            try:
-                batch = next(it)
-            except StopIteration:
-                break
-            except Exception as exc:
-                raise _DataError(step) from exc
-            got_any = True
-            yield step, batch
-            step += 1
-        if one_shot or not got_any:
-            return
-
-
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """Seed Python's, NumPy's and torch's (CPU) RNGs; restore their states on exit."""
-    import numpy as np
-
-    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    try:
-        yield
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.set_rng_state(torch_state)
-
-
 # ---------------------------------------------------------------------- helpers
 
 
@@ -608,7 +360,7 @@ def _type(value: Any) -> str:
     return "None" if value is None else type(value).__name__
 
 
-def _described(value: Any) -> str:
+def describe_value(value: Any) -> str:
     """``None``, ``a list``, ``an int``: a value's type for a sentence."""
     if value is None:
         return "None"
@@ -616,7 +368,7 @@ def _described(value: Any) -> str:
     return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nantrace/
 
 
 def user_traceback(exc: BaseException) -> str:
@@ -633,7 +385,7 @@ def _ours(filename: str) -> bool:
     return path == _PACKAGE_DIR or path.startswith(_PACKAGE_DIR + os.sep) or "importlib._bootstrap" in filename
 
 
-def _ranges(steps: Iterable[int]) -> str:
+def step_ranges(steps: Iterable[int]) -> str:
     """``[1, 2, 3, 7, 9, 10]`` -> ``"1-3, 7, 9-10"``."""
     out: list[str] = []
     run: list[int] = []
