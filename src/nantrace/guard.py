@@ -567,10 +567,8 @@ class Guard:
     def _write_bundle(self, incident: Incident) -> None:
         if self.store is None or self._bundles_written >= self.config.outputs.max_bundles:
             return
-        try:
-            from .storage.bundle import write_bundle
-        except ImportError:  # bundles arrive with the localisation layer
-            return
+        from .storage.bundle import write_bundle
+
         incident.bundle = write_bundle(self, incident, self._capture)
         self._bundles_written += 1
 

@@ -127,13 +127,13 @@ def replay_at_scale_one(guard: "Guard", capture: "StepCapture", scale: float | N
     A ``replayable`` unit recomputes its (unscaled) loss; a plain forward is back-propagated
     from the gradient recorded at its outputs divided by the scale.
     """
-    from ..localisation.replay import replay_scope, run_unit
+    from ..localisation.rerun import rerun_scope, run_unit
 
     units = list(capture.calls) or list(capture.forwards)
     if not units or guard.sharded:
         return None
     try:
-        with replay_scope(guard):
+        with rerun_scope(guard):
             for unit in units:
                 if _output_grads_nan(unit):
                     return False  # a NaN reached the model's outputs from the loss: no scale undoes a NaN

@@ -33,21 +33,12 @@ they also report ``optimizer_state``, a kind the guard uses too."""
 DYNAMICS_CAUSES = EARLY_WARNING_CAUSES
 """Cause codes that only the training-dynamics monitors use (early warnings, nothing non-finite yet)."""
 
-_KEYS = {
-    "LayerStatsMonitor": "layers",
-    "ActivationMonitor": "activations",
-    "OptimizerStateMonitor": "optimizer_state",
-    "LogitSaturationMonitor": "logits",
-    "ClipMonitor": "clipping",
-    "LRScheduleMonitor": "lr_schedule",
-}
-
 
 def summary(guard: "Guard") -> dict[str, Any]:
     """What the guard's training-dynamics monitors measured so far, as plain data, by monitor."""
     out: dict[str, Any] = {}
     for monitor in getattr(guard, "monitors", []):
-        key = _KEYS.get(type(monitor).__name__)
+        key = getattr(monitor, "summary_key", None)
         get = getattr(monitor, "summary", None)
         if key is not None and callable(get):
             out[key] = get()

@@ -8,10 +8,8 @@ setting (e.g. TensorBoard not installed) must fail at ``watch()`` with a clear m
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 import weakref
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +19,7 @@ from .base import Monitor, Signal, StepContext
 if TYPE_CHECKING:
     from ..guard import Guard
 
-__all__ = ["MonitorFailedWarning", "SafeMonitor", "is_sampled", "store_transaction"]
+__all__ = ["MonitorFailedWarning", "SafeMonitor", "is_sampled"]
 
 
 class MonitorFailedWarning(RuntimeWarning):
@@ -31,32 +29,6 @@ class MonitorFailedWarning(RuntimeWarning):
 def is_sampled(step: int, every: int) -> bool:
     """True when ``step`` is one of the steps a statistic taken ``every`` steps samples (0 = never)."""
     return every > 0 and step % every == 0
-
-
-@contextlib.contextmanager
-def store_transaction(store: Any) -> Iterator[None]:
-    """Write several rows to the run store in one SQLite transaction (one commit, not one per row).
-
-    Uses ``RunStore.transaction()`` when the store has it; until then, opens the transaction on
-    the store's connection (the run store runs in autocommit mode, where every row of an
-    ``executemany`` would otherwise be its own commit: 17x slower for a step's layer rows).
-    """
-    begin = getattr(store, "transaction", None)
-    if callable(begin):
-        with begin():
-            yield
-        return
-    conn = getattr(store, "_conn", None)
-    if conn is None or conn.in_transaction:
-        yield
-        return
-    conn.execute("BEGIN")
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
 
 
 class SafeMonitor(Monitor):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..capture import floating_tensors
-from ._common import SafeMonitor, is_sampled, store_transaction
+from ._common import SafeMonitor, is_sampled
 from ._readback import DeferredRead
 from .base import Signal, StepContext
 
@@ -66,6 +66,7 @@ class ActivationMonitor(SafeMonitor):
     """Abs-max and non-finite counts of every module's output, every ``every`` steps."""
 
     name = "activation statistics"
+    summary_key = "activations"
 
     def __init__(self, *, every: int) -> None:
         super().__init__()
@@ -148,7 +149,7 @@ class ActivationMonitor(SafeMonitor):
         self.latest = ActivationFigures(step, rows)
         store = self.guard.store
         if store is not None:
-            with store_transaction(store):
+            with store.transaction():
                 store.log_activation_stats(step, rows)
 
     def _detach(self) -> None:

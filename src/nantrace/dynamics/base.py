@@ -53,6 +53,9 @@ class Monitor:
 
     name: str = "monitor"
 
+    summary_key: str | None = None
+    """Where :func:`nantrace.dynamics.summary` puts this monitor's ``summary()`` (``None``: not summarised)."""
+
     def attach(self, guard: "Guard") -> None:
         """Called once by the guard after it has installed its own hooks."""
 

@@ -115,6 +115,7 @@ class ClipMonitor(SafeMonitor):
     """Observes the clipping calls that touch the watched parameters."""
 
     name = "clipping statistics"
+    summary_key = "clipping"
 
     def __init__(self, *, warmup: int, flush_every: int = 32, warn: bool = True) -> None:
         super().__init__()

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..detection.sentinel import local
-from ._common import SafeMonitor, is_sampled, store_transaction
+from ._common import SafeMonitor, is_sampled
 from ._layers import LayerIndex
 from ._readback import DeferredRead, accumulation_dtype, safe_norms, stack_on
 from .base import Signal, StepContext
@@ -94,6 +94,7 @@ class LayerStatsMonitor(SafeMonitor):
     """
 
     name = "layer statistics"
+    summary_key = "layers"
 
     def __init__(self, *, every: int, update_every: int, warnings: WarningSettings | None) -> None:
         super().__init__()
@@ -186,7 +187,7 @@ class LayerStatsMonitor(SafeMonitor):
     def _write(self, figures: LayerFigures) -> None:
         store = self.guard.store
         if store is not None:
-            with store_transaction(store):
+            with store.transaction():
                 store.log_layer_stats(figures.step, figures.rows())
 
     def _detach(self) -> None:

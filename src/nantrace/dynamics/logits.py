@@ -92,6 +92,7 @@ class LogitSaturationMonitor(SafeMonitor):
     """Logit saturation every ``every`` steps (first training forward of the step)."""
 
     name = "logit saturation"
+    summary_key = "logits"
 
     def __init__(self, *, every: int, warmup: int, label_smoothing: float, warn: bool = True) -> None:
         super().__init__()

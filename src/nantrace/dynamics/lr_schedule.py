@@ -190,6 +190,7 @@ class LRScheduleMonitor(SafeMonitor):
     """Compares every step's learning rates with the declared schedule; reports the first divergence once."""
 
     name = "learning-rate schedule check"
+    summary_key = "lr_schedule"
 
     def __init__(self, *, schedule: Any, tolerance: float) -> None:
         super().__init__()

@@ -100,6 +100,7 @@ class OptimizerStateMonitor(SafeMonitor):
     """Adam-family state check every ``every`` steps, plus a one-off eps/dtype check."""
 
     name = "optimizer state"
+    summary_key = "optimizer_state"
 
     def __init__(self, *, every: int, warmup: int, warn: bool = True) -> None:
         super().__init__()

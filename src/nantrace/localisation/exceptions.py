@@ -29,7 +29,7 @@ from ..diagnosis.patterns import explain, short_op
 from .loss_replay import replay_step
 from .modules import ModuleStack
 from .origin import Origin, chain_summary, trace_back
-from .replay import replay_scope, run_unit
+from .rerun import rerun_scope, run_unit
 from .tracer import FailedOp, OpRecord, OpTracer, tensor_stats
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def diagnose_exception(guard: "Guard", incident: "Incident", capture: Any, exc: 
     replay_error: BaseException | None = None
     externals = externals_of(guard, units)
     model_start: OpRecord | None = None
-    with replay_scope(guard):
+    with rerun_scope(guard):
         modules = ModuleStack(guard.root)
         tracer = OpTracer(modules, externals)
         with modules, tracer:

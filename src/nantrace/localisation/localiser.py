@@ -22,7 +22,7 @@ from ..diagnosis.patterns import explain
 from .modules import ModuleStack
 from .origin import Origin, chain_summary, trace_back
 from .loss_replay import replay_step
-from .replay import float32_model, replay_scope, run_unit
+from .rerun import float32_model, rerun_scope, run_unit
 from .tracer import OpRecord, OpTracer
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
     tape = capture.tape if not replayable else None
     # The loss was non-finite while the model's outputs were finite: the loss code is where it began.
     loss_side = incident.kind == "nonfinite_loss" and outputs_finite is True and tape is not None and tape.usable
-    with replay_scope(guard):
+    with rerun_scope(guard):
         for index, unit in enumerate(units):
             modules = ModuleStack(guard.root)
             tracer = OpTracer(modules, externals)

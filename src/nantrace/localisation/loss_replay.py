@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..capture import floating_tensors
 from ..loss_tape import LossTape, Ref, tensors_of
 from ..storage.tape_codec import OutputRef
-from .replay import run_unit
+from .rerun import run_unit
 from .tracer import OpTracer
 
 if TYPE_CHECKING:

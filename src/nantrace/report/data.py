@@ -12,12 +12,10 @@ heatmap cell keeps NaN / Inf whenever any value in its bucket was non-finite.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
-import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -178,13 +176,9 @@ def load_report_data(
         meta = store.meta()
         incidents = store.incidents()
         status = store.status()
-    db_path = path / DB_NAME
-    with contextlib.closing(_connect(db_path)) as conn:
-        raw = conn.execute(
-            "SELECT step, time, loss, grad_norm, param_norm, lr, scale, skipped, action FROM steps ORDER BY step"
-        ).fetchall()
-        layer_span = _step_span(conn, "layer_stats")
-        act_span = _step_span(conn, "activation_stats")
+        raw = store.raw_steps()
+        layer_span = store.step_span("layer_stats")
+        act_span = store.step_span("activation_stats")
     steps = np.fromiter((r[0] for r in raw), dtype=np.int64, count=len(raw))
     times = [r[1] for r in raw if isinstance(r[1], (int, float))]
     incident_steps = np.array(sorted({i.step for i in incidents}), dtype=np.int64)
@@ -239,8 +233,8 @@ def load_report_data(
     ):
         if not span or span[0] is None:
             continue
-        rows, step_stride, dense = _sampling(db_path, table, int(span[0]), int(span[1]), max_exact_layer_rows)
-        grid = _aggregate(db_path, table, columns, int(span[0]), int(span[1]), max_heatmap_columns,
+        rows, step_stride, dense = _sampling(path, table, int(span[0]), int(span[1]), max_exact_layer_rows)
+        grid = _aggregate(path, table, columns, int(span[0]), int(span[1]), max_heatmap_columns,
                           nonfinite_count=count_col, workers=workers, stride=step_stride, special_steps=special,
                           dense=dense)
         layers = _layer_labels(_names(meta.get(names_key)), grid.values[0].shape[0])
@@ -273,19 +267,6 @@ def load_report_data(
         downsampled=buckets.reduced,
         status=status,
     )
-
-
-def _step_span(conn: sqlite3.Connection, table: str) -> tuple[int | None, int | None]:
-    """First and last step of ``table``: two index look-ups (SQLite only optimises a lone min() or max())."""
-    first = conn.execute(f"SELECT min(step) FROM {table}").fetchone()[0]
-    last = conn.execute(f"SELECT max(step) FROM {table}").fetchone()[0]
-    return first, last
-
-
-def _connect(db_path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(db_path.resolve().as_uri() + "?mode=ro", uri=True, check_same_thread=False)
-    conn.execute("PRAGMA temp_store=MEMORY")
-    return conn
 
 
 def _value(raw: Any) -> float | None:
@@ -365,12 +346,11 @@ def _layer_labels(names: list[str], count: int) -> list[str]:
     return labels
 
 
-def _sampling(db_path: Path, table: str, first: int, last: int, max_rows: int) -> tuple[int, int, bool]:
+def _sampling(run_dir: Path, table: str, first: int, last: int, max_rows: int) -> tuple[int, int, bool]:
     """(rows in ``table``, step stride keeping the rows read under ``max_rows``, whether every
     step from ``first`` to ``last`` has as many rows as ``first``: then no step needs looking up)."""
-    with contextlib.closing(_connect(db_path)) as conn:
-        rows = int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
-        per_step = int(conn.execute(f"SELECT count(*) FROM {table} WHERE step = ?", (first,)).fetchone()[0])
+    with RunStore(run_dir, readonly=True) as store:
+        rows, per_step = store.row_counts(table, first)
     return rows, max(1, -(-rows // max(1, max_rows))), rows == per_step * (last - first + 1)
 
 
@@ -468,7 +448,7 @@ class _Grid:
 
 
 def _aggregate(
-    db_path: Path,
+    run_dir: Path,
     table: str,
     columns: Sequence[str],
     first: int,
@@ -491,37 +471,24 @@ def _aggregate(
     """
     width = max(1, -(-(last - first + 1) // max(1, max_columns)))
     ranges = [(lo, min(lo + width, last + 1)) for lo in range(first, last + 1, width)]
-    aggregates = ", ".join(f"max({c})" for c in columns)
-    if nonfinite_count:
-        aggregates += f", sum({nonfinite_count})"
-    head = f"SELECT layer, count(*), {aggregates} FROM {table} WHERE "
-    by_range = head + "step >= ? AND step < ? GROUP BY layer"
     specials = special_steps if special_steps is not None else np.zeros(0, dtype=np.int64)
+    names = tuple(columns)
 
-    def one(conn: sqlite3.Connection, lo: int, hi: int) -> tuple[int, int, list[Any]]:
+    def one(store: RunStore, lo: int, hi: int) -> tuple[int, int, list[Any]]:
         if stride <= 1:
-            span = conn.execute(f"SELECT min(step), max(step) FROM {table} WHERE step >= ? AND step < ?", (lo, hi)).fetchone()
-            if span[0] is None:
-                return lo, hi, []
-            return span[0], span[1], conn.execute(by_range, (lo, hi)).fetchall()
-        if dense:
-            recorded = list(range(lo, hi))
-        else:
-            recorded = [r[0] for r in conn.execute(f"SELECT DISTINCT step FROM {table} WHERE step >= ? AND step < ?",
-                                                   (lo, hi))]
+            first_step, last_step, rows = store.layer_maxima(table, names, lo=lo, hi=hi, nonfinite_count=nonfinite_count)
+            return (lo, hi, []) if first_step is None else (first_step, last_step, rows)
+        recorded = list(range(lo, hi)) if dense else store.recorded_steps(table, lo, hi)
         if not recorded:
             return lo, hi, []
         extra = specials[np.searchsorted(specials, lo):np.searchsorted(specials, hi)].tolist()
         chosen = sorted(set(recorded[::stride]) | set(extra))
-        sql = head + f"step IN ({','.join('?' * len(chosen))}) GROUP BY layer"
-        return recorded[0], recorded[-1], conn.execute(sql, chosen).fetchall()
+        _, _, rows = store.layer_maxima(table, names, lo=lo, hi=hi, steps=chosen, nonfinite_count=nonfinite_count)
+        return recorded[0], recorded[-1], rows
 
     def work(chunk: Iterable[tuple[int, int, int]]) -> list[tuple[int, tuple[int, int, list[Any]]]]:
-        conn = _connect(db_path)
-        try:
-            return [(b, one(conn, lo, hi)) for b, lo, hi in chunk]
-        finally:
-            conn.close()
+        with RunStore(run_dir, readonly=True) as store:  # one connection per worker thread
+            return [(b, one(store, lo, hi)) for b, lo, hi in chunk]
 
     jobs = [(b, lo, hi) for b, (lo, hi) in enumerate(ranges)]
     workers = max(1, min(workers, len(jobs)))

@@ -82,6 +82,19 @@ CREATE TABLE IF NOT EXISTS activation_stats (
 """
 
 
+_STATS_COLUMNS: dict[str, tuple[str, ...]] = {
+    "layer_stats": ("grad_norm", "param_norm", "update_ratio"),
+    "activation_stats": ("absmax", "nonfinite"),
+}
+"""The per-layer statistics tables and their value columns (the schema above)."""
+
+
+def _stats_table(table: str) -> str:
+    if table not in _STATS_COLUMNS:
+        raise ValueError(f"unknown statistics table {table!r}; expected one of {', '.join(_STATS_COLUMNS)}")
+    return table
+
+
 def _num(value: float | None) -> float | str | None:
     """SQLite stores NaN as NULL; keep it visible as the text 'nan' instead."""
     if value is None:
@@ -125,6 +138,7 @@ class RunStore:
             uri = self.path.resolve().as_uri() + "?mode=ro"
             self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
             try:
+                self._conn.execute("PRAGMA temp_store=MEMORY")  # the report's aggregates sort in memory
                 self._conn.execute("SELECT count(*) FROM steps").fetchone()
             except sqlite3.DatabaseError as exc:
                 self._conn.close()
@@ -318,6 +332,57 @@ class RunStore:
     def incidents(self) -> list[Incident]:
         rows = self._conn.execute("SELECT data FROM incidents ORDER BY step, time").fetchall()
         return [Incident.from_dict(json.loads(r[0])) for r in rows]
+
+    # ----------------------------------------------------------------- the report's reads
+    def raw_steps(self) -> list[tuple[Any, ...]]:
+        """Every row of ``steps`` as stored (step, time, loss, grad_norm, param_norm, lr, scale,
+        skipped, action): figures are numbers or the texts 'nan'/'inf'/'-inf', lr is JSON. The
+        report decodes them in bulk; :meth:`steps` gives them decoded, one dict per step."""
+        return self._conn.execute(
+            "SELECT step, time, loss, grad_norm, param_norm, lr, scale, skipped, action FROM steps ORDER BY step"
+        ).fetchall()
+
+    def step_span(self, table: str) -> tuple[int | None, int | None]:
+        """First and last step of a statistics table: two index look-ups (SQLite only optimises a lone min() or max())."""
+        table = _stats_table(table)
+        first = self._conn.execute(f"SELECT min(step) FROM {table}").fetchone()[0]
+        last = self._conn.execute(f"SELECT max(step) FROM {table}").fetchone()[0]
+        return first, last
+
+    def row_counts(self, table: str, step: int) -> tuple[int, int]:
+        """(rows of a statistics table, rows it holds for ``step``)."""
+        table = _stats_table(table)
+        rows = int(self._conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+        at = int(self._conn.execute(f"SELECT count(*) FROM {table} WHERE step = ?", (step,)).fetchone()[0])
+        return rows, at
+
+    def recorded_steps(self, table: str, lo: int, hi: int) -> list[int]:
+        """The steps in ``[lo, hi)`` that a statistics table holds rows for."""
+        table = _stats_table(table)
+        return [r[0] for r in self._conn.execute(f"SELECT DISTINCT step FROM {table} WHERE step >= ? AND step < ?",
+                                                 (lo, hi))]
+
+    def layer_maxima(self, table: str, columns: tuple[str, ...], *, lo: int, hi: int, steps: list[int] | None = None,
+                     nonfinite_count: str | None = None) -> tuple[int | None, int | None, list[tuple[Any, ...]]]:
+        """Per layer over steps ``[lo, hi)`` (or only ``steps``): (layer, rows, max of each column[, sum of
+        ``nonfinite_count``]), with the first and last step that had rows. SQLite's ``max()`` orders text above
+        numbers, so a stored 'nan' wins its group (and +inf beats any number): no non-finite value is lost."""
+        table = _stats_table(table)
+        for column in (*columns, *([nonfinite_count] if nonfinite_count else [])):
+            if column not in _STATS_COLUMNS[table]:
+                raise ValueError(f"{table} has no column {column!r}; expected one of {', '.join(_STATS_COLUMNS[table])}")
+        aggregates = ", ".join(f"max({c})" for c in columns) + (f", sum({nonfinite_count})" if nonfinite_count else "")
+        head = f"SELECT layer, count(*), {aggregates} FROM {table} WHERE "
+        if steps is None:
+            span = self._conn.execute(f"SELECT min(step), max(step) FROM {table} WHERE step >= ? AND step < ?",
+                                      (lo, hi)).fetchone()
+            if span[0] is None:
+                return None, None, []
+            return span[0], span[1], self._conn.execute(head + "step >= ? AND step < ? GROUP BY layer", (lo, hi)).fetchall()
+        if not steps:
+            return None, None, []
+        sql = head + f"step IN ({','.join('?' * len(steps))}) GROUP BY layer"
+        return min(steps), max(steps), self._conn.execute(sql, steps).fetchall()
 
     def __enter__(self) -> "RunStore":
         return self

@@ -1,5 +1,8 @@
-"""Deterministic replay of one captured unit of a step (a model forward, or a whole
-``replayable`` loss call), with its backward, leaving training state exactly as found.
+"""Re-running one captured unit of a step (a model forward, or a whole ``replayable`` loss
+call), with its backward, deterministically, leaving training state exactly as found.
+
+(Named *re-run* to keep it apart from the *bundle replay*, ``nantrace replay`` /
+``nantrace.replay`` in ``_replay.py``, which re-executes a whole saved step in a fresh process.)
 
 The replay restores the RNG and buffers recorded before the unit ran, re-enters the same
 autocast state, and computes gradients with ``torch.autograd.grad`` so that no ``.grad``
@@ -39,7 +42,7 @@ class UnitResult:
 
 
 @contextlib.contextmanager
-def replay_scope(guard: "Guard") -> Iterator[None]:
+def rerun_scope(guard: "Guard") -> Iterator[None]:
     """Save RNG and buffers, mark the guard as replaying; restore everything on exit."""
     rng = RngState.current()
     buffers = {n: b.detach().clone() for n, b in guard.root.named_buffers()}
@@ -110,7 +113,7 @@ def _upcast(obj: Any) -> Any:
 
 
 def run_unit(guard: "Guard", unit: Unit, *, full_precision: bool = False, backward: bool = True) -> UnitResult:
-    """Replay one unit from its recorded state. Call inside :func:`replay_scope`."""
+    """Replay one unit from its recorded state. Call inside :func:`rerun_scope`."""
     unit.rng.restore()
     if unit.buffers:
         with torch.no_grad():
