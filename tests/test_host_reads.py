@@ -15,7 +15,10 @@ from nantrace.testing.host_reads import HOST_COPY, HostReadCounter
 
 from test_distributed import _torchrun
 
-SENTINEL = "tolist@" + "nantrace/detection/sentinel.py"
+SENTINEL = "tolist@nantrace/detection/sentinel.py"
+"""The step's one read on one process: the sentinel's vector, as a list."""
+SENTINEL_RANKS = "numpy@nantrace/detection/sentinel.py"
+"""The step's one read on several ranks: the sentinel's vector and the all-reduced agreement, as one array."""
 
 
 @pytest.mark.parametrize("expr, how", [
@@ -92,6 +95,6 @@ def test_one_read_per_step_on_two_gloo_ranks(tmp_path, scenario):
         watched = [s for s in res["steps"] if s["watched"]]
         assert (len(plain), len(watched)) == (4, 12)
         assert all(s["nantrace"] == [] for s in plain)
-        assert [s["nantrace"] for s in watched] == [[SENTINEL]] * 12
+        assert [s["nantrace"] for s in watched] == [[SENTINEL_RANKS]] * 12
         # the training's own reads (AdamW's CPU step counter, the wrapper's) are the same with nantrace
         assert {s["total"] for s in watched} == {plain[-1]["total"] + 1}

@@ -196,7 +196,7 @@ class BufferPlan:
 
     def learn(self) -> None:
         """After the first captured forward: keep the slots of the buffers it changed."""
-        if not self._learning or not self._versions:
+        if not self._learning or not self.enabled:
             return
         self._learning = False
         modules = dict(self.root.named_modules())

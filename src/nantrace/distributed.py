@@ -150,8 +150,8 @@ class StepRound:
         self.grad_threshold = guard._grad_spikes.threshold() if cfg.detect_grad_explosion else math.inf
         self.k = 2 if self.sharded else 1
         self.fallback = False
-        self.words: list[int] = []
-        self.grad_thresholds: list[float] = []
+        self.words = np.zeros(0, dtype=np.int64)
+        self.grad_thresholds = np.zeros(0)
         self.global_grad_norm: float | None = None
         self.vector = self._start(staged)
 
@@ -208,18 +208,18 @@ class StepRound:
         return squares
 
     # -------------------------------------------------------------- on the host
-    def settle(self, health: "StepHealth", shared: list[float]) -> None:
+    def settle(self, health: "StepHealth", shared: np.ndarray) -> None:
         """Take the read agreement vector in; under FSDP2 put the global norms into ``health``.
 
         Sets :attr:`fallback` when the rare two-round path must settle the step.
         """
-        slots = np.asarray(shared[: self.world_size * self.k], dtype=np.float64).reshape(self.world_size, self.k)
-        self.words = [int(w) for w in slots[:, 0]]
+        slots = shared[: self.world_size * self.k].reshape(self.world_size, self.k)
+        self.words = slots[:, 0].astype(np.int64)
         if not self.sharded:
-            self.fallback = any(w & (GRADS_BAD | PARAMS_BAD) for w in self.words)
+            self.fallback = bool((self.words & (GRADS_BAD | PARAMS_BAD)).any())
             return
         squares = shared[self.world_size * self.k:]
-        host = [math.sqrt(v) if v >= 0 else math.nan for v in squares]
+        host = np.sqrt(squares).tolist()  # a NaN square stays NaN
         n = self.n_params
         if (self.has_grads and not math.isfinite(host[0])) or (self.has_params and not math.isfinite(host[1])):
             self.fallback = True  # a non-finite global norm: combined again from exact local figures
@@ -232,7 +232,7 @@ class StepRound:
             health.grad_norms = [host[2 + i] for i in self.grad_index]
         if len(health.param_norms) == n:
             health.param_norms = host[2 + n:]
-        self.grad_thresholds = [float(t) for t in slots[:, 1]]
+        self.grad_thresholds = slots[:, 1]
         self.global_grad_norm = host[0] if self.has_grads else None
 
     def agreement(self, guard: "Guard", *, scaler_active: bool) -> "Agreement":
@@ -240,12 +240,14 @@ class StepRound:
         from .diagnosis.triage import triage
 
         origins, blockers, kinds = [], [], {}
-        for r, word in enumerate(self.words):
-            grad_spike = bool(word & GRAD_SPIKE)
-            if self.sharded and self.global_grad_norm is not None and math.isfinite(self.global_grad_norm):
-                grad_spike = self.global_grad_norm > self.grad_thresholds[r]
-            if not word and not grad_spike:
-                continue  # nothing to judge: the common case costs one comparison per rank
+        flagged = self.words != 0
+        sharded_spikes = None
+        if self.sharded and self.global_grad_norm is not None and math.isfinite(self.global_grad_norm):
+            sharded_spikes = self.global_grad_norm > self.grad_thresholds
+            flagged |= sharded_spikes
+        for r in np.flatnonzero(flagged).tolist():  # vectorised: only ranks with a fact are judged
+            word = int(self.words[r])
+            grad_spike = bool(sharded_spikes[r]) if sharded_spikes is not None else bool(word & GRAD_SPIKE)
             finding = triage(
                 _facts_health(word), step=guard.step, scaler_active=scaler_active,
                 loss_spikes=_Verdict(bool(word & LOSS_SPIKE)), grad_spikes=_Verdict(grad_spike),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -140,15 +141,23 @@ def stage(
     return StagedHealth(vec, grads, params, bool(losses), grads_scaled, gn, pn)
 
 
-def read(staged: StagedHealth, extra: torch.Tensor | None = None) -> tuple[list[float], list[float]]:
+def read(staged: StagedHealth, extra: torch.Tensor | None = None) -> tuple[list[float], Any]:
     """The one host read of the step: the staged vector, and ``extra`` (e.g. the all-reduced
-    agreement vector) in the same transfer. Returns (staged values, extra values)."""
+    agreement vector, ``world_size`` long) in the same transfer. Returns (staged values as a
+    list, extra values as a float64 NumPy array: no Python float per rank)."""
     if extra is None:
-        return staged.vector.tolist(), []  # the one host synchronisation of the step
+        return staged.vector.tolist(), None  # the one host synchronisation of the step
     n = staged.vector.numel()
     both = torch.cat([staged.vector.to(extra.device, extra.dtype), extra.reshape(-1)])
-    host = both.tolist()  # the one host synchronisation of the step (local figures and agreement)
-    return host[:n], host[n:]
+    if both.device.type == "cpu":
+        host = both.numpy()  # the one host read of the step (local figures and agreement)
+    else:
+        copied = both.cpu()  # the one host synchronisation of the step (local figures and agreement)
+        from ..dynamics._readback import _host_side
+
+        with _host_side():  # the copy above is host memory now
+            host = copied.numpy()
+    return host[:n].tolist(), host[n:]
 
 
 def finish(staged: StagedHealth, host: list[float]) -> StepHealth:
