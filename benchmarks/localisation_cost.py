@@ -35,7 +35,8 @@ def main() -> None:
     case = CASES["gpt"]
     model = case.build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    guard = nantrace.watch(model, opt, config=nantrace.Config(print_incidents=False, save_bundle=False))
+    guard = nantrace.watch(model, opt, config=nantrace.Config(print_incidents=False, save_bundle=False,
+                                                            episode_gap=2))  # each incident its own episode
     loss_fn = guard.replayable(case.loss) if args.replayable else case.loss
     batches = case.batches(args.incidents * args.steps_between + 4)
     qkv = model.blocks[2].attn.qkv.weight

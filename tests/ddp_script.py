@@ -17,20 +17,64 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import nantrace
 
 
-def main(scenario: str, policy: str, out_dir: str) -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+def wrap(model: nn.Module, scenario: str) -> nn.Module:
     if scenario.startswith("fsdp"):
         from torch.distributed.fsdp import fully_shard
 
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
-        ddp = fully_shard(model)
-    else:
-        ddp = DDP(model)
+        return fully_shard(model)
+    return DDP(model)
+
+
+def count_reads(scenario: str, out_dir: str) -> None:
+    """Host reads per step (tests/test_host_reads.py): 4 steps of plain DDP/FSDP2 training, then
+    12 under ``nantrace.watch`` (defaults, AdamW), every step counted on every rank."""
+    from nantrace.testing.host_reads import HostReadCounter
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    wrapped = wrap(model, scenario)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(100 + rank)
+    guard = None
+    per_step = []
+    with HostReadCounter() as reads:
+        for step in range(16):
+            if step == 4:
+                guard = nantrace.watch(wrapped, opt, config=nantrace.Config(print_incidents=False))
+            x = torch.randn(16, 8, generator=gen)
+            y = torch.randn(16, 1, generator=gen)
+            reads.reset()
+            opt.zero_grad()
+            F.mse_loss(wrapped(x), y).backward()
+            opt.step()
+            per_step.append({"watched": guard is not None, "total": reads.count,
+                             "nantrace": [f"{e.how}@{e.where.rsplit(':', 1)[0]}" for e in reads.events
+                                          if e.where.startswith("nantrace" + os.sep)]})
+    assert guard is not None
+    result = {"rank": rank, "steps": per_step, "incidents": len(guard.incidents), "sharded": guard.sharded,
+              "local_grad_check": guard.checks_local_grads}
+    guard.close()
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    del wrapped, opt, guard, model
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def main(scenario: str, policy: str, out_dir: str) -> None:
+    dist.init_process_group("gloo")
+    if scenario.endswith("_reads"):
+        count_reads(scenario, out_dir)
+        return
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    ddp = wrap(model, scenario)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     if scenario == "rewatch_nan_rank1":  # an earlier guard registered the comm hook, then closed
         nantrace.watch(ddp, opt, config=nantrace.Config(print_incidents=False)).close()

@@ -49,3 +49,16 @@ def test_update_check_benchmark_keeps_training_identical(tmp_path):
     assert res["checked_weights_identical_to_plain"] is True
     assert res["variants"]["proven"]["held_bytes"] == 0 and res["variants"]["checked"]["held_bytes"] > 0
     assert res["variants"]["checked"]["incidents"] == res["variants"]["proven"]["incidents"] == 0
+
+def test_gpu_benchmark_runs_its_grid_on_a_tiny_model_on_the_cpu(tmp_path):
+    """benchmarks/gpu.py is meant for a GPU; here only its grid, its table and its weight
+    check run (tiny model, eager compile backend), no timing is judged."""
+    res = _run([str(BENCH / "gpu.py"), "--tiny", "--device", "cpu", "--rounds", "1", "--steps-per-block", "2",
+                "--warmup", "1", "--compile-backend", "eager"], tmp_path)
+    cells = {(c["precision"], c["mode"], c["tool"]): c for c in res["cells"]}
+    assert set(cells) == {(p, m, t) for p in ("bf16", "fp16") for m in ("eager", "compile")
+                          for t in ("plain", "nantrace", "detect_anomaly")}
+    for (precision, mode, tool), c in cells.items():
+        assert c["steps"] == 2 and c["median_step_s"] > 0
+        if tool == "nantrace":
+            assert c["same_weights_as_plain"] is True and c["incidents"] == 0, (precision, mode)

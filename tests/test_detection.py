@@ -221,23 +221,4 @@ def test_sentinel_does_not_call_a_float32_norm_overflow_nonfinite():
     assert not bad.grads_finite
 
 
-def test_one_host_sync_per_step(monkeypatch, quiet):
-    """The decision reads the device exactly once per step (Tensor.tolist in the sentinel)."""
-    from nantrace.detection import sentinel
-
-    calls = []
-    real = sentinel.measure
-
-    def counting(**kw):
-        calls.append(1)
-        return real(**kw)
-
-    monkeypatch.setattr("nantrace.guard.measure", counting)
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with nantrace.watch(model, opt, config=quiet):
-        for _ in range(7):
-            opt.zero_grad()
-            model(torch.randn(4, 8)).sum().backward()
-            opt.step()
-    assert len(calls) == 7
+# One host read per step: counted for real (every way a value reaches Python) in tests/test_host_reads.py.

@@ -154,3 +154,67 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
         return flags[0]
     device = flags[0].device
     return torch.stack([f.to(device) for f in flags]).all()
+
+
+class BufferPlan:
+    """Which buffers a replay needs as they were before a forward, and the copy of them.
+
+    Copy-on-write in spirit: a buffer is copied before a forward only if the forward
+    changes it (learned from version counters on the first captured forward) *and* its old
+    value can change what the forward computes. A BatchNorm in training mode normalises with
+    the batch's own statistics: its running mean, variance and batch counter are written but
+    never read, so they are not copied (a replay saves and puts back every buffer around itself,
+    so the running statistics end as they were). What remains (a spectral norm's power-iteration
+    vector, a step counter, an EMA the forward reads) is copied from a cached list of
+    ``(module, name)`` slots: no walk over the module tree per forward.
+    """
+
+    def __init__(self, root: torch.nn.Module, enabled: bool) -> None:
+        self.root = root
+        self.enabled = enabled
+        self._learning = True
+        self._slots: list[tuple[str, torch.nn.Module, str]] = []
+        self._versions: dict[str, int] = {}
+
+    def snapshot(self) -> dict[str, torch.Tensor] | None:
+        """The buffers to keep for this forward (``None`` when buffers are not captured)."""
+        if not self.enabled:
+            return None
+        if self._learning:  # first forward: every buffer, with its version, to learn which ones change
+            out = {}
+            for name, buf in self.root.named_buffers():
+                out[name] = buf.detach().clone()
+                self._versions[name] = buf._version
+            return out
+        out = {}
+        for name, module, attr in self._slots:
+            buf = module._buffers.get(attr)
+            if buf is None or _reads_batch_statistics(module, attr):
+                continue
+            out[name] = buf.detach().clone()
+        return out
+
+    def learn(self) -> None:
+        """After the first captured forward: keep the slots of the buffers it changed."""
+        if not self._learning or not self.enabled:
+            return
+        self._learning = False
+        modules = dict(self.root.named_modules())
+        for name, buf in self.root.named_buffers():
+            if name in self._versions and buf._version != self._versions[name]:
+                owner, _, attr = name.rpartition(".")
+                self._slots.append((name, modules[owner], attr))
+        self._versions.clear()
+
+    @property
+    def mutable(self) -> set[str] | None:
+        """Names of the buffers the forward changes (``None`` before the first forward)."""
+        return None if self._learning else {name for name, _, _ in self._slots}
+
+
+_BN_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
+
+def _reads_batch_statistics(module: torch.nn.Module, attr: str) -> bool:
+    """True for a BatchNorm running statistic in training mode: written, not read, by the forward."""
+    return attr in _BN_STATS and module.training and isinstance(module, torch.nn.modules.batchnorm._NormBase)

@@ -38,6 +38,7 @@ from ._scaler_hooks import patch_scaler
 from .patches import BACKWARD, EXCEPTHOOK, PatchUnit
 from .capture import (
     AutocastState,
+    BufferPlan,
     CallRecord,
     ForwardRecord,
     RngState,
@@ -48,12 +49,12 @@ from .capture import (
 from .config import Config
 from .detection.divergence import DivergenceDetector
 from .detection.scaler import ScalerMonitor, collapse_fields, replay_at_scale_one
-from .detection.sentinel import StepHealth, measure, nonfinite_tensors
+from .detection.sentinel import StepHealth, finish, nonfinite_tensors, read, stage
 from .detection.spikes import RobustSpikeDetector
 from .diagnosis.triage import Finding, triage
 from .dynamics.base import Monitor, Signal, StepContext
 from .dynamics.registry import build_monitors
-from .distributed import Agreement, agree, install_local_grad_check, world
+from .distributed import Agreement, StepRound, agree, combine_shards, install_local_grad_check, world
 from .errors import NonFiniteError
 from .incident import Incident
 from .loss_tape import LossTape
@@ -137,7 +138,7 @@ class Guard:
         self._in_scaler_step = False
         self._unscaled = False
         self._replaying = False
-        self._mutable_buffers: set[str] | None = None
+        self._buffers = BufferPlan(self.root, config.localisation.snapshot_buffers)
         self._bundles_written = 0
         self._last_applied: int | None = None
         self._data_inbox: deque[Any] = deque()
@@ -257,10 +258,7 @@ class Guard:
         if self.closed or self._replaying or not torch.is_grad_enabled() or not self._capture.forwards:
             return
         record = self._capture.forwards[-1]
-        if self._mutable_buffers is None and record.buffers is not None:
-            self._mutable_buffers = {
-                n for n, b in self.root.named_buffers() if n in record.buffers and b._version != record.buffers[n]._nantrace_version  # type: ignore[attr-defined]
-            }
+        self._buffers.learn()
         outputs = floating_tensors(output)
         if self._tape is not None:
             record.outputs = [weakref.ref(t) for t in outputs]
@@ -276,17 +274,7 @@ class Guard:
             self._tape.resume()
 
     def _snapshot_buffers(self) -> dict[str, torch.Tensor] | None:
-        if not self.config.localisation.snapshot_buffers:
-            return None
-        out = {}
-        for name, buf in self.root.named_buffers():
-            if self._mutable_buffers is not None and name not in self._mutable_buffers:
-                continue
-            copy = buf.detach().clone()
-            if self._mutable_buffers is None:
-                copy._nantrace_version = buf._version  # type: ignore[attr-defined]
-            out[name] = copy
-        return out
+        return self._buffers.snapshot()
 
     def _on_loss(self, loss: torch.Tensor) -> None:
         if self.closed or self._replaying:
@@ -424,7 +412,7 @@ class Guard:
     def _decide_no_grad(self, *, grads_scaled: bool, via_scaler: bool) -> _Decision:
         grads, grad_index = self._grads()
         capture = self._capture
-        health = measure(
+        staged = stage(
             grads=grads,
             params=self._params if self.config.detection.check_params else [],
             losses=capture.losses + [c.loss for c in capture.calls if c.loss is not None and not capture.losses],
@@ -434,9 +422,14 @@ class Guard:
             scale=getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() else None,
             grads_scaled=grads_scaled and self.scaler is not None,
         )
-        if self.sharded and self.world_size > 1:
-            _combine_shards(health, grad_index=grad_index, n_params=len(self._params),
-                            device=grads[0].device if grads else torch.device("cpu"))
+        ranks = StepRound(self, staged, grad_index) if self.world_size > 1 else None  # agreement on the device
+        local, shared = read(staged, ranks.vector if ranks is not None else None)  # the step's one host read
+        health = finish(staged, local)
+        if ranks is not None:
+            ranks.settle(health, shared)
+            if ranks.fallback and self.sharded:  # rare path: a non-finite global norm, combined from exact figures
+                combine_shards(health, grad_index=grad_index, n_params=len(self._params),
+                               device=grads[0].device if grads else torch.device("cpu"))
         finding = self.checkpoints.loaded_state_finding(self.step) or triage(
             health,
             step=self.step,
@@ -449,7 +442,8 @@ class Guard:
         )
         agreement = None
         if self.world_size > 1:
-            agreement, finding = self._agree(health, finding, device=grads[0].device if grads else torch.device("cpu"))
+            agreement, finding = self._agree(health, finding, ranks, via_scaler=via_scaler,
+                                             device=grads[0].device if grads else torch.device("cpu"))
         if finding is None and self.rollback is not None:
             self.rollback.before_healthy_update(self.step)
         scaler_skip = via_scaler and not health.grads_finite and finding is None
@@ -471,16 +465,21 @@ class Guard:
             self._report(incident, decision)
         return decision
 
-    def _agree(self, health: StepHealth, finding: Finding | None, *, device: torch.device) -> tuple[Agreement, Finding | None]:
-        """Make every rank take the same decision; name the rank the failure came from."""
+    def _agree(self, health: StepHealth, finding: Finding | None, ranks: StepRound, *, via_scaler: bool,
+               device: torch.device) -> tuple[Agreement, Finding | None]:
+        """Make every rank take the same decision; name the rank the failure came from (from the
+        facts every rank read in the step's one read; a second round only on the rare path)."""
         local_origin = not (health.inputs_finite and health.loss_finite and health.outputs_finite
                             and health.local_grads_finite and health.params_finite) or (
             finding is not None and finding.kind == "loss_spike")  # the loss is per rank; gradients are shared
         blocks = finding is not None and action_for(
             self.policy, finding, finite_trouble=is_finite_trouble(finding.kind),
             config=self.config) != Action.LOGGED
-        agreement = agree(rank=self.rank, world_size=self.world_size, local_origin=local_origin,
-                          local_kind=finding.kind if blocks and finding is not None else None, device=device)
+        if ranks.fallback:
+            agreement = agree(rank=self.rank, world_size=self.world_size, local_origin=local_origin,
+                              local_kind=finding.kind if blocks and finding is not None else None, device=device)
+        else:
+            agreement = ranks.agreement(self, scaler_active=via_scaler)
         if agreement.block and not blocks:
             finding = Finding(
                 self.step, agreement.peer_kind or "nonfinite_grad", None, "unknown", None,
@@ -828,33 +827,6 @@ class Guard:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"<nantrace.Guard {state} step={self.step} incidents={len(self.incidents)} policy={self.policy!r}>"
-
-
-def _combine_shards(health: StepHealth, *, grad_index: list[int], n_params: int, device: torch.device) -> None:
-    """Global gradient and parameter norms, total and per tensor, from each rank's shard norms.
-
-    One all-reduce of squared norms laid out by parameter index (the same length on every
-    rank, whichever gradients a rank holds), so per-layer figures are the model's, not a
-    shard's. NaN and Inf propagate.
-    """
-    squares = torch.zeros(2 + 2 * n_params, dtype=torch.float64)
-    squares[0] = (health.grad_norm or 0.0) ** 2
-    squares[1] = (health.param_norm or 0.0) ** 2
-    if health.grad_norms:
-        squares[torch.tensor(grad_index, dtype=torch.long) + 2] = torch.tensor(health.grad_norms, dtype=torch.float64) ** 2
-    if len(health.param_norms) == n_params:
-        squares[2 + n_params:] = torch.tensor(health.param_norms, dtype=torch.float64) ** 2
-    squares = squares.to(device)
-    torch.distributed.all_reduce(squares)
-    host = squares.sqrt().tolist()
-    if health.grad_norm is not None:
-        health.grad_norm = host[0]
-    if health.param_norm is not None:
-        health.param_norm = host[1]
-    if health.grad_norms:
-        health.grad_norms = [host[2 + i] for i in grad_index]
-    if len(health.param_norms) == n_params:
-        health.param_norms = host[2 + n_params:]
 
 
 def _bad_inputs(capture: StepCapture) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .capture import AutocastState
+from .capture import AutocastState, RngState
 from .localisation.tracer import user_source
 
 MAX_ENTRIES = 256
@@ -85,6 +85,9 @@ class LossTape(TorchFunctionMode):
         self._made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._recording = False
         self.autocast: AutocastState | None = None
+        self.rng_marks: list[tuple[int, RngState]] = []
+        """(index of the next call, the RNG state) each time recording starts: a replay restores it there, so
+        random calls in the loss code (noise, dropout, sampling) draw the same values as the real step."""
         """The autocast state the loss code ran under (taken when recording starts)."""
         self.on_exception: Callable[[BaseException], None] | None = None
 
@@ -95,6 +98,8 @@ class LossTape(TorchFunctionMode):
             torch._C._push_on_torch_function_stack(self)
         if not self.entries:
             self.autocast = AutocastState.current()
+        if not self.rng_marks or self.rng_marks[-1][0] != len(self.entries):
+            self.rng_marks.append((len(self.entries), RngState.current()))
         self._recording = True
 
     def pause(self) -> None:
@@ -128,6 +133,7 @@ class LossTape(TorchFunctionMode):
     def reset(self) -> None:
         """Forget the step's calls (the next step starts a new tape)."""
         self.entries = []
+        self.rng_marks = []
         self.truncated = False
         self.loss = None
         self.losses = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -59,7 +60,57 @@ def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
 
 
-def measure(
+@dataclasses.dataclass
+class StagedHealth:
+    """The step's figures reduced on the device, not yet read (see :func:`stage`).
+
+    ``vector`` is ``[loss, grad norm, param norm, inputs ok, outputs ok, local grads ok,
+    scale, per-gradient norms..., per-parameter norms...]`` in float32. A caller may add
+    device work that depends on it (the cross-rank agreement) before the one read.
+    """
+
+    vector: torch.Tensor
+    grads: Sequence[torch.Tensor]
+    params: Sequence[torch.Tensor]
+    has_loss: bool
+    grads_scaled: bool
+    grad_norms: list[torch.Tensor]
+    param_norms: list[torch.Tensor]
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self.vector[0]
+
+    @property
+    def grad_norm(self) -> torch.Tensor:
+        return self.vector[1]
+
+    @property
+    def param_norm(self) -> torch.Tensor:
+        return self.vector[2]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.vector[6]
+
+    @property
+    def local_flags(self) -> torch.Tensor:
+        """``[inputs ok, outputs ok, local grads ok]`` (1.0 = finite)."""
+        return self.vector[3:6]
+
+    def unscaled_grad_norm64(self) -> torch.Tensor:
+        """The total gradient norm in float64 exactly as :func:`finish` computes it on the host
+        (divided by the loss scale when the gradients are scaled), for device-side comparisons
+        that must agree bit for bit with the host's."""
+        g = self.grad_norm.to(torch.float64)
+        if not self.grads_scaled:
+            return g
+        s = self.scale.to(torch.float64)
+        usable = torch.isfinite(s) & (s != 0)  # the host divides only by a real, non-zero scale
+        return torch.where(usable, g / torch.where(usable, s, torch.ones_like(s)), g)
+
+
+def stage(
     *,
     grads: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
@@ -69,13 +120,8 @@ def measure(
     local_grads_ok: torch.Tensor | None = None,
     scale: torch.Tensor | None,
     grads_scaled: bool,
-) -> StepHealth:
-    """Reduce the step's tensors to one vector and read it with a single host transfer.
-
-    ``inputs_ok``/``outputs_ok`` are boolean 0-dim tensors accumulated by the forward
-    hooks (``None`` when not checked). ``grads_scaled`` says the gradients still carry the
-    GradScaler's factor; their norms are divided by the scale on the host.
-    """
+) -> StagedHealth:
+    """Reduce the step's tensors to one device vector (no host read)."""
     device = _pick_device(grads, params, losses)
     nan, one = _constants(device)
     gn = _norms(grads)
@@ -92,7 +138,32 @@ def measure(
         scale.detach().to(device, torch.float32).reshape(()) if scale is not None else nan,
     ]
     vec = torch.cat([torch.stack(head)] + [v for v in (gvec, pvec) if v is not None])
-    host = vec.tolist()  # the one host synchronisation of the step
+    return StagedHealth(vec, grads, params, bool(losses), grads_scaled, gn, pn)
+
+
+def read(staged: StagedHealth, extra: torch.Tensor | None = None) -> tuple[list[float], Any]:
+    """The one host read of the step: the staged vector, and ``extra`` (e.g. the all-reduced
+    agreement vector, ``world_size`` long) in the same transfer. Returns (staged values as a
+    list, extra values as a float64 NumPy array: no Python float per rank)."""
+    if extra is None:
+        return staged.vector.tolist(), None  # the one host synchronisation of the step
+    n = staged.vector.numel()
+    both = torch.cat([staged.vector.to(extra.device, extra.dtype), extra.reshape(-1)])
+    if both.device.type == "cpu":
+        host = both.numpy()  # the one host read of the step (local figures and agreement)
+    else:
+        copied = both.cpu()  # the one host synchronisation of the step (local figures and agreement)
+        from ..dynamics._readback import _host_side
+
+        with _host_side():  # the copy above is host memory now
+            host = copied.numpy()
+    return host[:n].tolist(), host[n:]
+
+
+def finish(staged: StagedHealth, host: list[float]) -> StepHealth:
+    """The host-side figures from the read vector; the rare float64 recount when a float32
+    norm overflowed while every element is finite."""
+    grads, params, gn, pn = staged.grads, staged.params, staged.grad_norms, staged.param_norms
     loss, gnorm, pnorm, in_ok, out_ok, local_ok, sc = host[:7]
     grad_norms = host[7 : 7 + len(gn)]
     param_norms = host[7 + len(gn) :]
@@ -105,11 +176,11 @@ def measure(
     if pn and not math.isfinite(pnorm) and _exactly_finite(params):
         param_norms = [float(n) for n in _norms64(params)]
         pnorm = math.sqrt(sum(n * n for n in param_norms))
-    if grads_scaled and scale_value and gn:
+    if staged.grads_scaled and scale_value and gn:
         gnorm = gnorm / scale_value
         grad_norms = [g / scale_value for g in grad_norms]
     return StepHealth(
-        loss=loss if losses else None,
+        loss=loss if staged.has_loss else None,
         grad_norm=gnorm if gn else None,
         param_norm=pnorm if pn else None,
         inputs_finite=bool(in_ok),
@@ -119,6 +190,29 @@ def measure(
         grad_norms=grad_norms,
         param_norms=param_norms,
     )
+
+
+def measure(
+    *,
+    grads: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    losses: Sequence[torch.Tensor],
+    inputs_ok: torch.Tensor | None,
+    outputs_ok: torch.Tensor | None,
+    local_grads_ok: torch.Tensor | None = None,
+    scale: torch.Tensor | None,
+    grads_scaled: bool,
+) -> StepHealth:
+    """Reduce the step's tensors to one vector and read it with a single host transfer.
+
+    ``inputs_ok``/``outputs_ok`` are boolean 0-dim tensors accumulated by the forward
+    hooks (``None`` when not checked). ``grads_scaled`` says the gradients still carry the
+    GradScaler's factor; their norms are divided by the scale on the host.
+    (:func:`stage` + :func:`read` + :func:`finish`, for callers that add nothing to the read.)
+    """
+    staged = stage(grads=grads, params=params, losses=losses, inputs_ok=inputs_ok, outputs_ok=outputs_ok,
+                   local_grads_ok=local_grads_ok, scale=scale, grads_scaled=grads_scaled)
+    return finish(staged, read(staged)[0])
 
 
 def _exactly_finite(tensors: Sequence[torch.Tensor]) -> bool:

@@ -82,11 +82,24 @@ class RobustSpikeDetector:
             self._noise = None
         return spike
 
-    def _judge(self, value: float) -> Spike | None:
+    def threshold(self) -> float:
+        """The value above which the next :meth:`update` flags a spike (``inf`` in warm-up).
+
+        ``update(v)`` flags ``v`` exactly when ``v`` is finite and ``v > threshold()``, so the
+        judgement can be made elsewhere (on the device, or by another rank from this number)
+        and agree with this detector bit for bit.
+        """
+        if len(self._history) < self.warmup:
+            return math.inf
+        use_log = min(self._history) > 0
+        center, noise = self._level(use_log)
+        if use_log:  # z > sigma and ratio > min_ratio, solved for the value
+            return max(math.exp(center + self.sigma * noise), self.min_ratio * math.exp(center))
+        return center + max(self.sigma * noise, (self.min_ratio - 1.0) * max(abs(center), 1e-12))
+
+    def _level(self, use_log: bool) -> tuple[float, float]:
+        """(current level, noise scale) of the history, in log space when ``use_log``."""
         hist = self._history
-        if len(hist) < self.warmup:
-            return None
-        use_log = value > 0 and min(hist) > 0
         recent = list(itertools.islice(hist, len(hist) - _LEVEL, None))
         if use_log:
             recent = [math.log(v) for v in recent]
@@ -94,21 +107,26 @@ class RobustSpikeDetector:
         # against the level before it, so the run's own trend (a loss still falling fast)
         # does not inflate the scale.
         center = statistics.median(recent)
-        x = math.log(value) if use_log else value
         if self._noise is None or self._noise[0] != use_log or self._stale >= _NOISE_EVERY:
             series = np.fromiter(hist, dtype=np.float64, count=len(hist))
             self._noise = (use_log, _noise_scale(np.log(series) if use_log else series))
             self._stale = 0
-        z = (x - center) / max(self._noise[1], 1e-12)
+        return center, max(self._noise[1], 1e-12)
+
+    def _judge(self, value: float) -> Spike | None:
+        if not value > self.threshold():
+            return None
+        use_log = min(self._history) > 0  # a value above a positive threshold is positive
+        center, noise = self._level(use_log)
+        x = math.log(value) if use_log else value
+        z = (x - center) / noise
         if use_log:
             median = math.exp(center)
             ratio = value / median
         else:
             median = center
             ratio = 1.0 + (value - median) / max(abs(median), 1e-12)
-        if z > self.sigma and ratio > self.min_ratio:
-            return Spike(value=value, median=median, zscore=z, ratio=ratio, window=len(hist))
-        return None
+        return Spike(value=value, median=median, zscore=z, ratio=ratio, window=len(self._history))
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": list(self._history), "flagged_run": list(self._flagged_run)}

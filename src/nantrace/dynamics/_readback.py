@@ -9,11 +9,41 @@ On the CPU every value is ready at once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["DeferredRead", "stack_on"]
+__all__ = ["DeferredRead", "host_value", "reading_host_memory", "stack_on"]
+
+_HOST_SIDE = threading.local()
+
+
+@contextlib.contextmanager
+def _host_side() -> Iterator[None]:
+    depth = getattr(_HOST_SIDE, "depth", 0)
+    _HOST_SIDE.depth = depth + 1
+    try:
+        yield
+    finally:
+        _HOST_SIDE.depth = depth
+
+
+def reading_host_memory() -> bool:
+    """True while nantrace reads a tensor that lives in host memory by design (a finished
+    asynchronous copy, an optimizer's CPU step counter): such a read never waits for a device.
+    :class:`nantrace.testing.host_reads.HostReadCounter` does not count it."""
+    return getattr(_HOST_SIDE, "depth", 0) > 0
+
+
+def host_value(t: torch.Tensor) -> float:
+    """The value of a one-element tensor that lives on the CPU by design, e.g. Adam's
+    ``state["step"]`` (torch keeps it there so that reading it costs no device sync)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"host_value reads CPU tensors only; this one is on {t.device} (reading it would synchronise)")
+    with _host_side():
+        return float(t)
 
 
 class DeferredRead:
@@ -51,8 +81,10 @@ class DeferredRead:
         """The values as Python floats (waits for the copy only if it is still in flight)."""
         if self._event is not None:
             self._event.synchronize()
-        host = self._host.cpu() if self._source is not None else self._host
-        return host.tolist()
+        if self._source is not None:
+            return self._host.cpu().tolist()  # a real device read (the copy starts here)
+        with _host_side():  # host memory the copy has filled (on the CPU: the values themselves)
+            return self._host.tolist()
 
 
 def stack_on(values: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:

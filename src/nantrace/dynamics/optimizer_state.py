@@ -30,7 +30,7 @@ import torch
 
 from ._common import SafeMonitor, is_sampled
 from ._layers import LayerIndex
-from ._readback import DeferredRead, accumulation_dtype, stack_on
+from ._readback import DeferredRead, accumulation_dtype, host_value, stack_on
 from .base import Signal, StepContext
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def eps_problem(eps: float, dtype: torch.dtype) -> str | None:
         return f"eps={eps:g} is not positive: an entry whose exp_avg_sq is 0 is divided by zero"
     tiny = torch.finfo(dtype).tiny
     dtype_name = str(dtype).removeprefix("torch.")
-    if float(torch.tensor(eps, dtype=dtype)) == 0:
+    if host_value(torch.tensor(eps, dtype=dtype)) == 0:
         return f"eps={eps:g} rounds to 0 in {dtype_name} (the optimizer state's dtype), so it protects nothing"
     if eps < tiny:
         return (f"eps={eps:g} is below the smallest normal {dtype_name} ({tiny:.3g}): it is stored as a subnormal "
@@ -163,7 +163,7 @@ class OptimizerStateMonitor(SafeMonitor):
         step = state.get("step")
         if isinstance(step, torch.Tensor):
             if step.device.type == "cpu":
-                return float(step)
+                return host_value(step)
             return float(self._applied)  # reading a device counter would synchronise
         if isinstance(step, (int, float)):
             return float(step)

@@ -112,7 +112,10 @@ def replay_step(guard: "Guard", units: list[Any], tape: LossTape | None, tracer:
         with contextlib.ExitStack() as stack:
             for ctx in contexts:
                 stack.enter_context(ctx)
-            for entry in tape.entries:
+            marks = dict(tape.rng_marks)
+            for index, entry in enumerate(tape.entries):
+                if index in marks:
+                    marks[index].restore()
                 tracer.source_override = entry.source
                 try:
                     out = entry.func(*decode(entry.args), **decode(entry.kwargs))

@@ -28,6 +28,23 @@ _NANTRACE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os
 _USER_CODE_IN_NANTRACE = (_NANTRACE_DIR + "demo" + os.sep,)  # the demo's model is user code
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """One min/max pass instead of a mask: a NaN reaches both, an infinity one of them."""
+    if t.is_complex():
+        return bool(torch.isfinite(t).all())
+    lo, hi = torch.aminmax(t.detach())
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+def _nan_inf(t: torch.Tensor) -> tuple[bool, bool]:
+    """(holds NaN, holds ±inf), with the cheap finite test first (most tensors are finite)."""
+    if t.is_complex() or t.dtype == torch.bool or not t.is_floating_point():
+        return (bool(torch.isnan(t).any()), bool(torch.isinf(t).any())) if t.is_complex() else (False, False)
+    if _all_finite(t):
+        return False, False
+    return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+
+
 def format_source(filename: str, lineno: int) -> str:
     """``path:LINE``, relative to the working directory when the file lies below it."""
     try:
@@ -260,7 +277,7 @@ class OpTracer(TorchDispatchMode):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.made_by[t] = info  # integer outputs too (an info code, a count)
-        bad = [t for t in outs if t.numel() and not bool(torch.isfinite(t).all())]
+        bad = [t for t in outs if t.numel() and not _all_finite(t)]
         if not bad:
             return out
         out_nan = any(bool(torch.isnan(t).any()) for t in bad)
@@ -320,7 +337,7 @@ class OpTracer(TorchDispatchMode):
                 continue
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
-                flags[id(value)] = (bool(torch.isnan(value).any()), bool(torch.isinf(value).any()))
+                flags[id(value)] = _nan_inf(value)
         return flags
 
     def _input_refs(self, args: tuple[Any, ...], kwargs: dict[str, Any], pre: dict[int, tuple[bool, bool]] | None) -> list[InputRef]:
@@ -334,7 +351,7 @@ class OpTracer(TorchDispatchMode):
                 if pre is not None and id(t) in pre:
                     nan, inf = pre[id(t)]
                 else:
-                    nan, inf = bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+                    nan, inf = _nan_inf(t)
                 producer = self.producer.get(t) if (nan or inf) else None
                 external = None
                 if (nan or inf) and producer is None:

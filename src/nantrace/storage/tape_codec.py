@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..capture import AutocastState
+from ..capture import AutocastState, RngState
 from ..loss_tape import Entry, LossTape, Ref
 
 
@@ -150,6 +150,7 @@ def encode_tape(tape: LossTape, forwards: list[Any]) -> dict[str, Any]:
                 "source": e.source} for e in tape.entries]
     return {"entries": entries, "loss": [tape.loss.entry, tape.loss.slot],
             "losses": [[r.entry, r.slot] for r in tape.losses],
+            "rng_marks": [[i, rng.cpu] for i, rng in tape.rng_marks],
             "autocast": tape.autocast.to_dict() if tape.autocast is not None else None}
 
 
@@ -162,6 +163,7 @@ def decode_tape(data: dict[str, Any]) -> LossTape:
                                   _decode(item["kwargs"]) or {}, item.get("source")))
     tape.loss = Ref(*data["loss"])
     tape.losses = [Ref(*r) for r in data.get("losses", [data["loss"]])]
+    tape.rng_marks = [(int(i), RngState(cpu=state, cuda=None)) for i, state in data.get("rng_marks", [])]
     ac = data.get("autocast")
     if ac:
         tape.autocast = AutocastState(

@@ -1,5 +1,9 @@
-"""The 0.1 name of the check's test helpers, kept for one release: use ``nantrace.check``
-(``from nantrace.check import assert_check``); the pytest plugin is ``nantrace.check.pytest_plugin``.
+"""Test utilities that are not the CI check: ``host_reads`` (counts every device-to-host read,
+to test the one-read-per-step promise).
+
+Also the 0.1 names of the check's test helpers, kept for one release: the check lives in
+``nantrace.check`` (``from nantrace.check import assert_check``; the pytest plugin is
+``nantrace.check.pytest_plugin``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""A replay re-runs the user's forward and loss code: none of its prints, log records or
-warnings may reach the user a second time (issue 11, "replay without echoes")."""
+"""Replays that behave: no echo of the user's prints, logs and warnings (issue 11), a model that
+cannot be re-run gets a diagnosis that says so, and a bundle of another format says which
+version it needs (issue 9)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,28 @@ def test_a_model_that_cannot_be_replayed_gets_a_diagnosis_that_says_so():
     assert incident.action == "skipped" and "localisation_error" not in incident.details
     assert incident.details["not_replayable"] == "RuntimeError: generator already exhausted"
     assert "could not be replayed" in incident.summary and "generator already exhausted" in incident.summary
+
+
+def test_a_bundle_of_another_format_says_which_version_it_needs(tmp_path):
+    import json
+
+    import pytest
+
+    torch.manual_seed(0)
+    model = Chatty()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nantrace.watch(model, opt, run_dir=tmp_path / "run", config=nantrace.Config(print_incidents=False)) as guard:
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    bundle = guard.incidents[0].bundle
+    env_path = tmp_path / "run" / "incidents" / bundle.rpartition("/")[2] / "env.json"
+    env = json.loads(env_path.read_text())
+    env["format_version"] = 99
+    env_path.write_text(json.dumps(env))
+    with pytest.raises(ValueError, match=r"bundle format 99 .* reads formats 1\.\.1: upgrade nantrace"):
+        nantrace.replay(bundle, model=Chatty())
+    del env["format_version"]
+    env_path.write_text(json.dumps(env))
+    with pytest.raises(ValueError, match="no valid format_version"):
+        nantrace.replay(bundle, model=Chatty())

@@ -1,0 +1,123 @@
+"""Where the guard's fixed per-step cost goes: each hook timed on its own.
+
+The guard's hooks (``Guard._forward_pre`` etc.) are wrapped with a timer at class level
+before ``nantrace.watch`` installs them, then ``--steps`` steps of each model are trained;
+the table gives the median microseconds per step spent in each hook, and the median
+plain step measured in the same process with the guard closed (the same model and
+batches). Timings on a shared machine move with its load: read the ratios between hooks,
+not the absolute figures, and record ``uptime`` beside them.
+
+Usage::
+
+    python benchmarks/fixed_cost.py --models mlp,cnn --steps 200
+    # model  plain step   forward_pre  forward_post  on_loss  decide  prepare  finish_step (monitors)  total  share
+    # mlp      6.9 ms        41 µs       38 µs     6 µs   420 µs   3 µs   310 µs (260 µs)        818 µs  11.8 %
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import CASES  # noqa: E402
+
+import nantrace  # noqa: E402
+from nantrace.guard import Guard  # noqa: E402
+
+HOOKS = ("_forward_pre", "_forward_post", "_on_loss", "_decide", "_prepare_update", "_finish_step", "_run_monitors")
+"""Guard methods timed; ``_run_monitors`` runs inside ``_finish_step`` (shown in brackets)."""
+
+
+def _timed(name: str, fn: Callable[..., Any], spent: dict[str, float]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - t0
+
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+def measure_model(name: str, *, steps: int, warmup: int, threads: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    case = CASES[name]
+    batches = case.batches(8)
+    spent: dict[str, float] = defaultdict(float)
+    originals = {h: getattr(Guard, h) for h in HOOKS}
+    for h, fn in originals.items():
+        setattr(Guard, h, _timed(h, fn, spent))
+    per_step: dict[str, list[float]] = defaultdict(list)
+    plain: list[float] = []
+    try:
+        model = case.build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        guard = nantrace.watch(model, opt, config=nantrace.Config(print_incidents=False))
+        for i in range(warmup + steps):
+            spent.clear()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            case.loss(model, batches[i % len(batches)]).backward()
+            opt.step()
+            total = time.perf_counter() - t0
+            if i >= warmup:
+                for h in HOOKS:
+                    per_step[h].append(spent.get(h, 0.0))
+                per_step["step"].append(total)
+        guard.close()
+        for i in range(warmup + steps):  # the same model, unwatched: the plain step in the same conditions
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            case.loss(model, batches[i % len(batches)]).backward()
+            opt.step()
+            if i >= warmup:
+                plain.append(time.perf_counter() - t0)
+    finally:
+        for h, fn in originals.items():
+            setattr(Guard, h, fn)
+    med = {h: statistics.median(v) * 1e6 for h, v in per_step.items()}
+    own = sum(med[h] for h in HOOKS if h != "_run_monitors")
+    return {"model": name, "steps": steps, "plain_step_ms": statistics.median(plain) * 1e3,
+            "watched_step_ms": med["step"] / 1e3, "hooks_us": {h: med[h] for h in HOOKS}, "guard_us": own,
+            "share_of_plain": own / (statistics.median(plain) * 1e6)}
+
+
+def print_table(rows: Sequence[dict[str, Any]]) -> None:
+    print("| model | plain step | forward_pre | forward_post | on_loss | decide | prepare_update | finish_step (of which monitors) | guard total | × plain step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        h = r["hooks_us"]
+        print(f"| {r['model']} | {r['plain_step_ms']:.2f} ms | {h['_forward_pre']:.0f} µs | {h['_forward_post']:.0f} µs | "
+              f"{h['_on_loss']:.0f} µs | {h['_decide']:.0f} µs | {h['_prepare_update']:.0f} µs | "
+              f"{h['_finish_step']:.0f} µs ({h['_run_monitors']:.0f} µs) | {r['guard_us']:.0f} µs | "
+              f"{r['share_of_plain'] * 100:.1f} % |")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="mlp,cnn,gpt")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows = [measure_model(m, steps=args.steps, warmup=args.warmup, threads=args.threads) for m in args.models.split(",")]
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""The loss tape itself: it records only the loss code, leaves the mode stack as it found it,
+replays random calls with the real step's draws, and costs nothing outside its window."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import nantrace
+
+
+class Recorder(TorchFunctionMode):
+    """A user's own function mode, pushed inside the loss code."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, loss_code) -> None:
+    opt.zero_grad()
+    loss_code(model(x)).backward()
+    opt.step()
+
+
+def test_only_the_loss_code_is_taped_and_the_stack_is_left_clean():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(print_incidents=False))
+    tape = guard._capture.tape
+    _step(model, opt, torch.randn(8, 4), lambda out: F.mse_loss(out, torch.zeros_like(out)))
+    assert torch._C._len_torch_function_stack() == 0  # popped at backward(), never on the stack for the optimizer
+    opt.zero_grad()
+    out = model(torch.randn(8, 4))
+    assert torch._C._len_torch_function_stack() == 1  # on the stack only between forward and backward
+    loss = F.mse_loss(out, torch.zeros_like(out))
+    seen = [getattr(e.func, "__name__", "?") for e in tape.entries]
+    assert seen == ["zeros_like", "mse_loss"] and tape.losses == []
+    loss.backward()
+    assert tape.loss is not None and len(tape.losses) == 1
+    opt.step()
+    with Recorder():  # a user's mode pushed above the tape, still open when the guard closes
+        out = model(torch.randn(8, 4))
+        guard.close()
+        assert torch._C._len_torch_function_stack() == 1  # the user's mode stays, nantrace's is gone
+    assert torch._C._len_torch_function_stack() == 0
+
+
+class Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def noisy_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x).expand(1, 4)
+    noise = torch.rand(out.shape)  # drawn in the loss code, between two forwards
+    chosen = (noise < 0.25).float()  # which entries the loss keeps depends on the draw
+    anchor = model(x * 0).expand(1, 4)  # a second forward: its replay runs before the loss code's
+    return ((out - anchor) * chosen).sum() / chosen.sum()  # 0/0 when nothing was chosen
+
+
+def test_random_calls_in_the_loss_code_replay_with_the_real_draws():
+    """Whether the loss is 0/0 depends on the noise drawn in the loss code: the replay must draw the
+    same noise (the tape restores the RNG where recording started), or it would not reproduce: the
+    second forward is replayed before the loss code, from an RNG state taken after the draw."""
+    torch.manual_seed(0)
+    model = Noisy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(print_incidents=False))
+    with guard:
+        for step in range(60):
+            opt.zero_grad()
+            noisy_loss(model, torch.randn(1, 1)).backward()
+            opt.step()
+            if guard.incidents:
+                break
+    hits = [i for i in guard.incidents if i.kind == "nonfinite_loss"]
+    assert hits, "no draw chose nothing in 60 steps"
+    first = hits[0]
+    assert (first.op, first.module, first.cause, first.transient) == ("aten.div.Tensor", None, "div_by_zero", False)
