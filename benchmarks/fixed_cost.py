@@ -33,9 +33,15 @@ from models import CASES  # noqa: E402
 
 import nantrace  # noqa: E402
 from nantrace.guard import Guard  # noqa: E402
+from nantrace.step_capture import StepRecorder  # noqa: E402
 
-HOOKS = ("_forward_pre", "_forward_post", "_on_loss", "_decide", "_prepare_update", "_finish_step", "_run_monitors")
-"""Guard methods timed; ``_run_monitors`` runs inside ``_finish_step`` (shown in brackets)."""
+TARGETS = {"_forward_pre": (StepRecorder, "forward_pre"), "_forward_post": (StepRecorder, "forward_post"),
+           "_on_loss": (StepRecorder, "on_loss"), "_decide": (Guard, "decide"),
+           "_prepare_update": (Guard, "_prepare_update"), "_finish_step": (Guard, "finish_step"),
+           "_run_monitors": (Guard, "_run_monitors")}
+"""The methods timed (the step's capture hooks, the decision, the bookkeeping), by the label shown."""
+HOOKS = tuple(TARGETS)
+"""``_run_monitors`` runs inside ``_finish_step`` (shown in brackets)."""
 
 
 def _timed(name: str, fn: Callable[..., Any], spent: dict[str, float]) -> Callable[..., Any]:
@@ -55,9 +61,9 @@ def measure_model(name: str, *, steps: int, warmup: int, threads: int) -> dict[s
     case = CASES[name]
     batches = case.batches(8)
     spent: dict[str, float] = defaultdict(float)
-    originals = {h: getattr(Guard, h) for h in HOOKS}
+    originals = {h: getattr(*TARGETS[h]) for h in HOOKS}
     for h, fn in originals.items():
-        setattr(Guard, h, _timed(h, fn, spent))
+        setattr(TARGETS[h][0], TARGETS[h][1], _timed(h, fn, spent))
     per_step: dict[str, list[float]] = defaultdict(list)
     plain: list[float] = []
     try:
@@ -85,7 +91,7 @@ def measure_model(name: str, *, steps: int, warmup: int, threads: int) -> dict[s
                 plain.append(time.perf_counter() - t0)
     finally:
         for h, fn in originals.items():
-            setattr(Guard, h, fn)
+            setattr(TARGETS[h][0], TARGETS[h][1], fn)
     med = {h: statistics.median(v) * 1e6 for h, v in per_step.items()}
     own = sum(med[h] for h in HOOKS if h != "_run_monitors")
     return {"model": name, "steps": steps, "plain_step_ms": statistics.median(plain) * 1e3,

@@ -44,7 +44,7 @@ def test_calibration_skips_are_not_incidents_but_are_recorded(tmp_path, quiet):
     skipped = [r["step"] for r in rows if r["skipped"]]
     assert len(rows) == 30 and guard.step == 30
     assert skipped[:3] == [0, 1, 2], "the scaler's early calibration skips are recorded as skipped steps"
-    assert len(skipped) == guard._scaler_monitor.total_skips
+    assert len(skipped) == guard.scaler_monitor.total_skips
     assert all(r["action"] == "scaler_skip" for r in rows if r["skipped"])
     assert rows[0]["scale"] == 2.0**30 and rows[-1]["scale"] < 2.0**30
 
@@ -102,7 +102,7 @@ def _fp16_run(init_scale: float, steps: int, *, config: nantrace.Config, collaps
 @pytest.mark.parametrize("exponent", [16, 20, 24, 28, 32, 36, 40])
 def test_calibration_from_any_init_scale_is_never_an_incident(exponent, quiet):
     guard, scaler, error = _fp16_run(2.0**exponent, 40, config=quiet)
-    monitor = guard._scaler_monitor
+    monitor = guard.scaler_monitor
     assert error is None and guard.incidents == []
     assert monitor.total_skips == max(exponent - 18, 0), "the scaler halved its way down to its level, 2**18"
     assert monitor.level == scaler.get_scale() == 2.0 ** min(exponent, 18)
@@ -198,6 +198,6 @@ def test_user_unscale_before_clipping_is_respected(quiet):
         expected = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
         scaler.step(opt)
         scaler.update()
-        assert guard._recorder[-1]["grad_norm"] == pytest.approx(expected, rel=1e-5)
+        assert guard.reporter.history[-1]["grad_norm"] == pytest.approx(expected, rel=1e-5)
     guard.close()
     assert guard.incidents == []

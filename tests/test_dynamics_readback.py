@@ -10,7 +10,7 @@ import torch
 
 import nantrace
 from dynamics_helpers import _one_thread, classification_batches, quiet, relu_mlp, train  # noqa: F401
-from nantrace.dynamics._common import MonitorFailedWarning, store_transaction
+from nantrace.dynamics._common import MonitorFailedWarning
 from nantrace.dynamics._readback import DeferredRead, stack_on
 from nantrace.storage.runstore import RunStore
 
@@ -25,12 +25,12 @@ def test_deferred_read_on_cpu() -> None:
     assert got[:2] == [1.5, 2.0] and got[2] != got[2]
 
 
-def test_store_transaction_commits_once_and_rolls_back_on_error(tmp_path) -> None:
+def test_run_store_transaction_commits_once_and_rolls_back_on_error(tmp_path) -> None:
     store = RunStore(tmp_path)
-    with store_transaction(store):
+    with store.transaction():
         store.log_layer_stats(0, [(0, 1.0, 2.0, None), (1, 3.0, 4.0, 0.1)])
     with pytest.raises(sqlite3.IntegrityError):
-        with store_transaction(store):
+        with store.transaction():
             store.log_layer_stats(1, [(0, 1.0, 2.0, None)])
             store._conn.execute("INSERT INTO meta(key, value) VALUES (NULL, NULL)")  # fails: NOT NULL
     store.close()

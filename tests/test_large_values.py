@@ -81,7 +81,7 @@ def test_healthy_runs_with_huge_finite_values_have_zero_incidents(case, one_thre
     assert max(float(t.detach().abs().max()) for t in values) >= top * 0.9
     assert max(float(t.detach().abs().max()) for t in state) >= top / 2 ** 1.5
     assert [(i.step, i.kind, i.summary) for i in guard.incidents] == []
-    rows = list(guard._recorder)
+    rows = list(guard.reporter.history)
     assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["param_norm"]) for r in rows)
 
 

@@ -29,7 +29,7 @@ def test_only_the_loss_code_is_taped_and_the_stack_is_left_clean():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     guard = nantrace.watch(model, opt, config=nantrace.Config(print_incidents=False))
-    tape = guard._capture.tape
+    tape = guard.recorder.capture.tape
     _step(model, opt, torch.randn(8, 4), lambda out: F.mse_loss(out, torch.zeros_like(out)))
     assert torch._C._len_torch_function_stack() == 0  # popped at backward(), never on the stack for the optimizer
     opt.zero_grad()

@@ -1,0 +1,205 @@
+"""The step's decision: measure (one host read) → triage → agree across ranks → action.
+
+:class:`StepJudge` keeps what the decision learns from the run (the spike and divergence
+detectors, the last applied step) and returns one :class:`Decision` per step. It decides; it
+does not report: the guard hands a decision carrying an incident to its reporter.
+
+Usage (inside the guard)::
+
+    decision = judge.decide(watched, capture, grads_scaled=False, via_scaler=False,
+                            loaded_state=checkpoints.loaded_state_finding(step), lrs=lrs,
+                            history=recorder)
+    if decision.incident is not None:
+        reporter.report(decision.incident, decision)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .capture import StepCapture, floating_tensors
+from .detection.divergence import DivergenceDetector
+from .detection.sentinel import StepHealth, finish, nonfinite_tensors, read, stage
+from .detection.spikes import RobustSpikeDetector
+from .diagnosis.triage import Finding, triage
+from .distributed import Agreement, StepRound, agree, combine_shards
+from .incident import Incident
+from .response.policies import action_for
+from .taxonomy import Action, is_finite_trouble
+from .watched import Watched
+
+__all__ = ["Decision", "StepJudge", "incident_from_finding"]
+
+
+@dataclasses.dataclass(eq=False)
+class Decision:
+    """What the check of one step decided."""
+
+    health: StepHealth
+    """The step's figures, from its one host read."""
+    incident: Incident | None
+    """What was found (``None``: a healthy step); the reporter may replace it (an optimizer failure, a collapse)."""
+    block: bool
+    """The update must not land (the gradients are set aside while ``optimizer.step()`` runs)."""
+    scaler_skip: bool
+    """The GradScaler skips this step itself (scaled gradients overflowed: calibration, not an incident)."""
+    grad_index: list[int] = dataclasses.field(default_factory=list)
+    """For each gradient in the step's figures, the index of its parameter in ``Watched.params``."""
+    stashed: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    """The gradients set aside while a blocked update runs; put back after it."""
+
+
+class StepJudge:
+    """Decides each step; keeps the run's history that the decision needs."""
+
+    def __init__(self, watched: Watched) -> None:
+        det = watched.config.detection
+        self.loss_spikes = RobustSpikeDetector(window=det.spike_window, warmup=det.spike_warmup,
+                                               sigma=det.spike_sigma, min_ratio=det.loss_spike_min_ratio)
+        self.grad_spikes = RobustSpikeDetector(window=det.spike_window, warmup=det.spike_warmup,
+                                               sigma=det.spike_sigma, min_ratio=det.explosion_min_ratio)
+        self.divergence = DivergenceDetector(min_steps=det.divergence_steps, min_factor=det.divergence_factor)
+        self.last_applied: int | None = None
+        """The last step whose update landed."""
+
+    def decide(self, watched: Watched, capture: StepCapture, *, grads_scaled: bool, via_scaler: bool,
+               loaded_state: Finding | None, lrs: list[float], history: Sequence[dict[str, Any]]) -> Decision:
+        """Read the step's health (one host sync), find what is wrong, agree with the other ranks,
+        and decide the action. ``loaded_state``: a finding about the state ``watch()`` was given."""
+        with torch.no_grad():
+            return self._decide(watched, capture, grads_scaled=grads_scaled, via_scaler=via_scaler,
+                                loaded_state=loaded_state, lrs=lrs, history=history)
+
+    def _decide(self, watched: Watched, capture: StepCapture, *, grads_scaled: bool, via_scaler: bool,
+                loaded_state: Finding | None, lrs: list[float], history: Sequence[dict[str, Any]]) -> Decision:
+        cfg = watched.config.detection
+        scaler = watched.scaler
+        grads, grad_index = gradients(watched.params)
+        device = grads[0].device if grads else torch.device("cpu")
+        staged = stage(
+            grads=grads,
+            params=watched.params if cfg.check_params else [],
+            losses=capture.losses + [c.loss for c in capture.calls if c.loss is not None and not capture.losses],
+            inputs_ok=capture.inputs_ok,
+            outputs_ok=capture.outputs_ok,
+            local_grads_ok=capture.local_grads_ok,
+            scale=getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None,
+            grads_scaled=grads_scaled and scaler is not None,
+        )
+        ranks = StepRound(watched, self, staged, grad_index) if watched.world_size > 1 else None  # on the device
+        local, shared = read(staged, ranks.vector if ranks is not None else None)  # the step's one host read
+        health = finish(staged, local)
+        if ranks is not None:
+            ranks.settle(health, shared)
+            if ranks.fallback and watched.sharded:  # rare path: a non-finite global norm, combined from exact figures
+                combine_shards(health, grad_index=grad_index, n_params=len(watched.params), device=device)
+        finding = loaded_state or triage(
+            health,
+            step=watched.step,
+            scaler_active=via_scaler,
+            loss_spikes=self.loss_spikes if cfg.detect_loss_spikes else None,
+            grad_spikes=self.grad_spikes if cfg.detect_grad_explosion else None,
+            last_applied=self.last_applied,
+            divergence=self.divergence if cfg.detect_divergence else None,
+            lr=next(iter(lrs), None),
+        )
+        agreement = None
+        if ranks is not None:
+            agreement, finding = self._agree(watched, health, finding, ranks, via_scaler=via_scaler, device=device)
+        scaler_skip = via_scaler and not health.grads_finite and finding is None
+        incident = None
+        if finding is not None:
+            incident = incident_from_finding(watched, finding, health, grads, grad_index, capture, history)
+            if agreement is not None and agreement.origin_ranks:
+                incident.rank = agreement.origin_ranks[0]
+                incident.details["origin_ranks"] = agreement.origin_ranks
+                if watched.rank not in agreement.origin_ranks:
+                    incident.summary = (f"The non-finite values came from rank {incident.rank} (its own data or "
+                                        f"gradients, before the all-reduce); this rank only received them. " + incident.summary)
+        return Decision(health, incident, block=incident is not None and incident.action != Action.LOGGED,
+                        scaler_skip=scaler_skip, grad_index=grad_index)
+
+    def _agree(self, watched: Watched, health: StepHealth, finding: Finding | None, ranks: StepRound, *,
+               via_scaler: bool, device: torch.device) -> tuple[Agreement, Finding | None]:
+        """Make every rank take the same decision; name the rank the failure came from (from the
+        facts every rank read in the step's one read; a second round only on the rare path)."""
+        local_origin = not (health.inputs_finite and health.loss_finite and health.outputs_finite
+                            and health.local_grads_finite and health.params_finite) or (
+            finding is not None and finding.kind == "loss_spike")  # the loss is per rank; gradients are shared
+        blocks = finding is not None and action_for(
+            watched.policy, finding, finite_trouble=is_finite_trouble(finding.kind),
+            config=watched.config) != Action.LOGGED
+        if ranks.fallback:
+            agreement = agree(rank=watched.rank, world_size=watched.world_size, local_origin=local_origin,
+                              local_kind=finding.kind if blocks and finding is not None else None, device=device)
+        else:
+            agreement = ranks.agreement(watched, self, scaler_active=via_scaler)
+        if agreement.block and not blocks:
+            finding = Finding(
+                watched.step, agreement.peer_kind or "nonfinite_grad", None, "unknown", None,
+                f"Rank {agreement.peer_rank} reported {agreement.peer_kind} at step {watched.step}; this rank skips "
+                "the update too, so that every replica stays identical.",
+                f"See the incident recorded by rank {agreement.peer_rank}.",
+                details={"peer_rank": agreement.peer_rank},
+            )
+        return agreement, finding
+
+
+def gradients(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """The step's gradients (sparse ones as their values) and the index of each one's parameter."""
+    grads, index = [], []
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse:
+            g = g.coalesce().values()
+        grads.append(g)
+        index.append(i)
+    return grads, index
+
+
+def incident_from_finding(watched: Watched, finding: Finding, health: StepHealth, grads: list[torch.Tensor],
+                          grad_index: list[int], capture: StepCapture, history: Sequence[dict[str, Any]]) -> Incident:
+    """The incident of a finding of the step check, with the evidence the check has (which tensors
+    are non-finite, the step's figures); its action is the policy's."""
+    from .reporting import new_incident
+
+    action = action_for(watched.policy, finding, finite_trouble=is_finite_trouble(finding.kind), config=watched.config)
+    details: dict[str, Any] = dict(finding.details)
+    if not health.grads_finite:
+        details["nonfinite_grads"] = nonfinite_tensors([(watched.param_names[i], g) for i, g in zip(grad_index, grads)])
+    module = finding.module
+    if not health.params_finite:
+        details["nonfinite_params"] = bad_params = nonfinite_tensors(list(zip(watched.param_names, watched.params)))
+        if finding.kind == "nonfinite_param" and bad_params:
+            module = bad_params[0]["name"].rpartition(".")[0]  # the module that owns the first bad tensor
+    if not health.inputs_finite:
+        details["nonfinite_inputs"] = bad_inputs(capture)
+    details["loss"] = health.loss
+    details["grad_norm"] = health.grad_norm
+    if health.scale is not None:
+        details["loss_scale"] = health.scale
+    return new_incident(watched, step=finding.step, kind=finding.kind, phase=finding.phase, module=module,
+                        cause=finding.cause, summary=finding.summary, fix=finding.fix, action=action,
+                        details=details, history=history)
+
+
+def bad_inputs(capture: StepCapture) -> list[dict[str, Any]]:
+    """Which forward call, argument and samples (rows of dim 0) carried non-finite values."""
+    out = []
+    for call, record in enumerate(capture.forwards):
+        named = [(f"args[{i}]", a) for i, a in enumerate(record.args)] + [(f"{k}=", v) for k, v in record.kwargs.items()]
+        for name, value in named:
+            for t in floating_tensors(value):
+                bad = ~torch.isfinite(t.detach())
+                if not bool(bad.any()):
+                    continue
+                rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist() if t.dim() else []
+                out.append({"forward": call, "arg": name, "samples": rows[:32], "nan": int(torch.isnan(t).sum()),
+                            "inf": int(torch.isinf(t).sum())})
+    return out
