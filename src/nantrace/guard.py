@@ -430,7 +430,7 @@ class Guard:
             if ranks.fallback and self.sharded:  # rare path: a non-finite global norm, combined from exact figures
                 combine_shards(health, grad_index=grad_index, n_params=len(self._params),
                                device=grads[0].device if grads else torch.device("cpu"))
-        finding = self.checkpoints.loaded_state_finding(self.step) or triage(
+        finding = self.checkpoints.loaded_state_finding(self.step, health.params_finite) or triage(
             health,
             step=self.step,
             scaler_active=via_scaler,

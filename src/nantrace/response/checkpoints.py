@@ -146,13 +146,18 @@ class CheckpointGate:
                         details=details, history=list(guard._recorder))
 
     # ------------------------------------------------------------ loading
-    def loaded_state_finding(self, step: int) -> "Finding | None":
+    def loaded_state_finding(self, step: int, params_finite: bool = False) -> "Finding | None":
         """Once, at the first step: the model's tensors that were already non-finite, named (as found
-        at ``watch()``, or at this step when the framework loaded the weights after it)."""
+        at ``watch()``, or at this step when the framework loaded the weights after it).
+
+        The step's own check has already read whether the parameters are finite
+        (``params_finite``): the model is read again only when they are not or when an integration
+        says weights were loaded after ``watch()``, so a healthy first step keeps its one host read."""
         if self._checked_load:
             return None
         self._checked_load = True
-        bad = self._at_watch or nonfinite_state(self.guard.root)
+        recheck = not self._at_watch and (not params_finite or self.loaded_from is not None)
+        bad = self._at_watch or (nonfinite_state(self.guard.root) if recheck else [])
         if not bad:
             return None
         from ..diagnosis.triage import Finding

@@ -44,8 +44,22 @@ class StateBound:
 
     @classmethod
     def for_optimizer(cls, optimizer: torch.optim.Optimizer) -> "StateBound":
-        has_state = any(isinstance(v, torch.Tensor) and v.dim() > 0 for s in optimizer.state.values() for v in s.values())
-        return cls(None if has_state else 0.0)
+        """The bound of the state as ``watch()`` finds it: 0 for a fresh optimizer; for state that
+        already exists (watching from the middle of a run) measured once, here, outside any step,
+        so the first watched step needs no copy; unknown when it cannot be measured or is not finite."""
+        tensors = [v for s in optimizer.state.values() for v in s.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point()]
+        if not tensors:
+            return cls(0.0)
+        try:
+            norms = [float(n) for n in torch._foreach_norm([t.detach().double() for t in tensors])]
+        except (RuntimeError, TypeError):  # sharded or exotic state: the first update is checked instead
+            return cls(None)
+        if not all(math.isfinite(n) for n in norms):
+            return cls(None)
+        bound = cls(None)
+        bound.from_norms(norms)
+        return bound
 
     def from_norms(self, norms: list[float]) -> None:
         """Seed the bound from measured L2 norms of state tensors (``max(n, √n)`` bounds both an
