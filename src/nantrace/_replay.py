@@ -123,11 +123,11 @@ def replay(bundle_dir: str | os.PathLike[str], model: nn.Module | str | None = N
             from .localisation.exceptions import diagnose_exception
 
             incident.kind, incident.action = "exception", Action.RAISED
-            if not diagnose_exception(guard, incident, capture, None):
+            if not diagnose_exception(guard.watched, incident, capture, None):
                 incident.summary = (f"{saved.summary} (Replaying the bundle did not raise again: the exception came from "
                                     "code the bundle does not hold, such as the loss code.)")
         else:
-            localise_incident(guard, incident, capture)
+            localise_incident(guard.watched, incident, capture)
     finally:
         guard.close()
     incident.bundle = str(bundle.path)

@@ -36,7 +36,7 @@ def _scale(original: Callable[..., Any], guard_ref: Any) -> Callable[..., Any]:
         scaled = original(outputs)
         guard = guard_ref()
         if guard is not None and not guard.closed and isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-            guard._record_loss(outputs)
+            guard.recorder.record_loss(outputs)
             try:
                 scaled._nantrace_scaled = True  # the backward interceptor then ignores the scaled copy
             except AttributeError:
@@ -52,7 +52,7 @@ def _unscale(original: Callable[..., Any], guard_ref: Any) -> Callable[..., Any]
         out = original(optimizer)
         guard = guard_ref()
         if guard is not None and optimizer is guard.optimizer:
-            guard._unscaled = True
+            guard.state.unscaled = True
         return out
 
     return unscale_
@@ -64,14 +64,14 @@ def _step(original: Callable[..., Any], guard_ref: Any) -> Callable[..., Any]:
         guard = guard_ref()
         if guard is None or guard.closed or optimizer is not guard.optimizer or not guard.scaler.is_enabled():
             return original(optimizer, *args, **kwargs)
-        decision = guard._decide(grads_scaled=not guard._unscaled, via_scaler=True)
-        guard._in_scaler_step = True
+        decision = guard.decide(grads_scaled=not guard.state.unscaled, via_scaler=True)
+        guard.in_scaler_step = True
         try:
             result = original(optimizer, *args, **kwargs)
         finally:
-            guard._in_scaler_step = False
-            guard._restore_grads(decision)
-        guard._finish_step(decision)
+            guard.in_scaler_step = False
+            guard.restore_grads(decision)
+        guard.finish_step(decision)
         return result
 
     return step

@@ -7,7 +7,7 @@ does not report: the guard hands a decision carrying an incident to its reporter
 Usage (inside the guard)::
 
     decision = judge.decide(watched, capture, grads_scaled=False, via_scaler=False,
-                            loaded_state=checkpoints.loaded_state_finding(step), lrs=lrs,
+                            loaded_state=checkpoints.loaded_state_finding, lrs=lrs,
                             history=recorder)
     if decision.incident is not None:
         reporter.report(decision.incident, decision)
@@ -16,7 +16,7 @@ Usage (inside the guard)::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -67,15 +67,18 @@ class StepJudge:
         """The last step whose update landed."""
 
     def decide(self, watched: Watched, capture: StepCapture, *, grads_scaled: bool, via_scaler: bool,
-               loaded_state: Finding | None, lrs: list[float], history: Sequence[dict[str, Any]]) -> Decision:
+               loaded_state: Callable[[bool], Finding | None], lrs: list[float],
+               history: Sequence[dict[str, Any]]) -> Decision:
         """Read the step's health (one host sync), find what is wrong, agree with the other ranks,
-        and decide the action. ``loaded_state``: a finding about the state ``watch()`` was given."""
+        and decide the action. ``loaded_state(params_finite)``: a finding about the state the run
+        started from (``CheckpointGate.loaded_state_finding``), told whether this step's parameters are finite."""
         with torch.no_grad():
             return self._decide(watched, capture, grads_scaled=grads_scaled, via_scaler=via_scaler,
                                 loaded_state=loaded_state, lrs=lrs, history=history)
 
     def _decide(self, watched: Watched, capture: StepCapture, *, grads_scaled: bool, via_scaler: bool,
-                loaded_state: Finding | None, lrs: list[float], history: Sequence[dict[str, Any]]) -> Decision:
+                loaded_state: Callable[[bool], Finding | None], lrs: list[float],
+                history: Sequence[dict[str, Any]]) -> Decision:
         cfg = watched.config.detection
         scaler = watched.scaler
         grads, grad_index = gradients(watched.params)
@@ -97,7 +100,7 @@ class StepJudge:
             ranks.settle(health, shared)
             if ranks.fallback and watched.sharded:  # rare path: a non-finite global norm, combined from exact figures
                 combine_shards(health, grad_index=grad_index, n_params=len(watched.params), device=device)
-        finding = loaded_state or triage(
+        finding = loaded_state(health.params_finite) or triage(
             health,
             step=watched.step,
             scaler_active=via_scaler,

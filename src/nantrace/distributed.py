@@ -36,7 +36,9 @@ from .taxonomy import KINDS, Action, is_finite_trouble
 if TYPE_CHECKING:
     from .detection.sentinel import StagedHealth, StepHealth
     from .diagnosis.triage import Finding
+    from .decision import StepJudge
     from .guard import Guard
+    from .watched import Watched
 
 
 def world() -> tuple[int, int]:
@@ -66,8 +68,8 @@ def install_local_grad_check(guard: "Guard") -> bool:
 
     def check_then_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP inspects real annotations
         g = target[0]()
-        if g is not None and not g.closed and not g._replaying:
-            g._capture.and_local_grads(finite_flag(bucket.buffer()))
+        if g is not None and not g.closed and not g.state.replaying:
+            g.recorder.capture.and_local_grads(finite_flag(bucket.buffer()))
         return default_hooks.allreduce_hook(state, bucket)
 
     try:
@@ -126,7 +128,7 @@ class StepRound:
     Usage (inside the guard's decision)::
 
         staged = sentinel.stage(...)                      # this rank's figures, on the device
-        ranks = StepRound(guard, staged, grad_index)      # facts word + all-reduce, on the device
+        ranks = StepRound(watched, judge, staged, grad_index)   # facts word + all-reduce, on the device
         local, shared = sentinel.read(staged, ranks.vector)   # the one host read
         health = sentinel.finish(staged, local)
         ranks.settle(health, shared)                      # FSDP2: global norms into ``health``
@@ -137,17 +139,17 @@ class StepRound:
     reduction) plus, under FSDP2, ``2 + 2 × n_params`` squared norms.
     """
 
-    def __init__(self, guard: "Guard", staged: "StagedHealth", grad_index: list[int]) -> None:
-        self.rank, self.world_size = guard.rank, guard.world_size
-        self.sharded = guard.sharded
-        self.n_params = len(guard._params)
+    def __init__(self, watched: "Watched", judge: "StepJudge", staged: "StagedHealth", grad_index: list[int]) -> None:
+        self.rank, self.world_size = watched.rank, watched.world_size
+        self.sharded = watched.sharded
+        self.n_params = len(watched.params)
         self.grad_index = grad_index
         self.has_loss = staged.has_loss
         self.has_grads = bool(staged.grad_norms)
         self.has_params = bool(staged.param_norms)
-        cfg = guard.config
-        self.loss_threshold = guard._loss_spikes.threshold() if cfg.detection.detect_loss_spikes else math.inf
-        self.grad_threshold = guard._grad_spikes.threshold() if cfg.detection.detect_grad_explosion else math.inf
+        cfg = watched.config
+        self.loss_threshold = judge.loss_spikes.threshold() if cfg.detection.detect_loss_spikes else math.inf
+        self.grad_threshold = judge.grad_spikes.threshold() if cfg.detection.detect_grad_explosion else math.inf
         self.k = 2 if self.sharded else 1
         self.fallback = False
         self.words = np.zeros(0, dtype=np.int64)
@@ -235,7 +237,7 @@ class StepRound:
         self.grad_thresholds = slots[:, 1]
         self.global_grad_norm = host[0] if self.has_grads else None
 
-    def agreement(self, guard: "Guard", *, scaler_active: bool) -> "Agreement":
+    def agreement(self, watched: "Watched", judge: "StepJudge", *, scaler_active: bool) -> "Agreement":
         """The decision every rank reaches from the same facts: who originated, who blocks."""
         from .diagnosis.triage import triage
 
@@ -249,13 +251,13 @@ class StepRound:
             word = int(self.words[r])
             grad_spike = bool(sharded_spikes[r]) if sharded_spikes is not None else bool(word & GRAD_SPIKE)
             finding = triage(
-                _facts_health(word), step=guard.step, scaler_active=scaler_active,
+                _facts_health(word), step=watched.step, scaler_active=scaler_active,
                 loss_spikes=_Verdict(bool(word & LOSS_SPIKE)), grad_spikes=_Verdict(grad_spike),
-                last_applied=guard._last_applied,
+                last_applied=judge.last_applied,
             )
             if word & _ORIGIN_BITS or (finding is not None and finding.kind == "loss_spike"):
                 origins.append(r)
-            if finding is not None and blocks(guard, finding):
+            if finding is not None and blocks(watched, finding):
                 blockers.append(r)
                 kinds[r] = finding.kind
         peer = blockers[0] if blockers else None
@@ -263,12 +265,12 @@ class StepRound:
                          peer_kind=kinds[peer] if peer is not None else None, peer_rank=peer)
 
 
-def blocks(guard: "Guard", finding: "Finding") -> bool:
+def blocks(watched: "Watched", finding: "Finding") -> bool:
     """Whether this finding stops the update under the guard's policy."""
     from .response.policies import action_for
 
-    return action_for(guard.policy, finding, finite_trouble=is_finite_trouble(finding.kind),
-                      config=guard.config) != Action.LOGGED
+    return action_for(watched.policy, finding, finite_trouble=is_finite_trouble(finding.kind),
+                      config=watched.config) != Action.LOGGED
 
 
 class _Verdict:

@@ -36,12 +36,13 @@ class GuardState:
     whether a replay of the step is running (then the capture hooks ignore the replay's own calls).
     Owned and advanced by the guard; the view reads it."""
 
-    __slots__ = ("closed", "replaying", "step")
+    __slots__ = ("closed", "replaying", "step", "unscaled")
 
     def __init__(self) -> None:
         self.step = 0
         self.closed = False
         self.replaying = False
+        self.unscaled = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -81,6 +82,11 @@ class Watched:
     def replaying(self) -> bool:
         """A replay of the step is running (its forwards and losses are not the user's)."""
         return self._state.replaying
+
+    @property
+    def unscaled(self) -> bool:
+        """This step's gradients were unscaled (``scaler.unscale_(optimizer)``): no longer multiplied by the scale."""
+        return self._state.unscaled
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:

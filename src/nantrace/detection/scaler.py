@@ -30,7 +30,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..capture import StepCapture
-    from ..guard import Guard
+    from ..watched import Watched
 
 __all__ = ["ScalerCollapse", "ScalerMonitor", "replay_at_scale_one"]
 
@@ -119,7 +119,7 @@ def _f(x: float | None) -> float:
     return float(x) if x is not None else float("nan")
 
 
-def replay_at_scale_one(guard: "Guard", capture: "StepCapture", scale: float | None) -> bool | None:
+def replay_at_scale_one(watched: "Watched", capture: "StepCapture", scale: float | None) -> bool | None:
     """Replay the step's captured units at loss scale 1 in their own precision: are the
     gradients finite there? ``None`` when the step cannot be replayed (nothing captured, a
     gradient at the model's outputs that had already overflowed, an error).
@@ -130,17 +130,17 @@ def replay_at_scale_one(guard: "Guard", capture: "StepCapture", scale: float | N
     from ..localisation.rerun import rerun_scope, run_unit
 
     units = list(capture.calls) or list(capture.forwards)
-    if not units or guard.sharded:
+    if not units or watched.sharded:
         return None
     try:
-        with rerun_scope(guard):
+        with rerun_scope(watched):
             for unit in units:
                 if _output_grads_nan(unit):
                     return False  # a NaN reached the model's outputs from the loss: no scale undoes a NaN
                 unit = _at_scale_one(unit, scale)
                 if unit is None:
                     return None
-                result = run_unit(guard, unit)
+                result = run_unit(watched, unit)
                 if not result.forward_finite or result.grads_finite is False:
                     return False
                 if result.grads_finite is None:
@@ -180,7 +180,7 @@ def collapse_fields(collapse: ScalerCollapse) -> dict[str, Any]:
     return out
 
 
-def name_collapse_origin(guard: "Guard", incident: Any, capture: "StepCapture", scale: float | None) -> None:
+def name_collapse_origin(watched: "Watched", incident: Any, capture: "StepCapture", scale: float | None) -> None:
     """Name the tensors and the op whose gradient overflowed in a collapse.
 
     The tensors come from the step's own gradients; the op, module and source line from the
@@ -190,18 +190,18 @@ def name_collapse_origin(guard: "Guard", incident: Any, capture: "StepCapture", 
     """
     from ..detection.sentinel import nonfinite_tensors
 
-    grads = [(name, p.grad) for name, p in zip(guard._param_names, guard._params) if p.grad is not None]
+    grads = [(name, p.grad) for name, p in zip(watched.param_names, watched.params) if p.grad is not None]
     bad = nonfinite_tensors(grads)
     if bad:
         incident.details["nonfinite_grads"] = bad
         incident.module = str(bad[0]["name"]).rpartition(".")[0]
-    if not guard.config.localisation.localise or guard.sharded:
+    if not watched.config.localisation.localise or watched.sharded:
         return
     from ..localisation.localiser import localise_incident
 
     rescaled = dataclasses.replace(capture, forwards=[_at_scale_one(u, scale) or u for u in capture.forwards])
     summary, fix, cause = incident.summary, incident.fix, incident.cause
-    localise_incident(guard, incident, rescaled)
+    localise_incident(watched, incident, rescaled)
     tensors = f" Non-finite gradients: {', '.join(str(b['name']) for b in bad[:4])}{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}." if bad else ""
     if incident.summary != summary:  # the replay found where: say it after the collapse itself
         incident.details["origin_cause"] = incident.cause

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +35,7 @@ from ..response.policies import action_for
 from .triage import Finding
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
     from ..response.update_check import UpdateFailure
 
 __all__ = ["UpdateReplay", "optimizer_incident", "replay_update"]
@@ -235,11 +235,11 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _texts(guard: "Guard", failure: "UpdateFailure", replay: UpdateReplay, state: str | None,
+def _texts(watched: "Watched", failure: "UpdateFailure", replay: UpdateReplay, state: str | None,
            group: dict[str, Any], cause: str, eps_note: str | None) -> tuple[str, str]:
-    opt = type(guard.optimizer).__name__
+    opt = type(watched.optimizer).__name__
     made = "non-finite" if failure.nonfinite_params else f"its {state or 'state'} non-finite"
-    what = f"optimizer.step() ({opt}) made parameter '{failure.param_name}' {made} at step {guard.step}"
+    what = f"optimizer.step() ({opt}) made parameter '{failure.param_name}' {made} at step {watched.step}"
     if replay.op is None:
         how = ("; a replay of the update from the same values stayed finite" if not replay.reproduced
                else "; no single op of the replayed update could be named")
@@ -247,7 +247,7 @@ def _texts(guard: "Guard", failure: "UpdateFailure", replay: UpdateReplay, state
         via = f", computed from {replay.denominator_state}" if replay.denominator_state else ""
         how = f": {replay.op} made the first non-finite value ({replay.detail or 'from finite inputs'}{via})"
     eps = group.get("eps")
-    dtype = guard._params[failure.param_index].dtype
+    dtype = watched.params[failure.param_index].dtype
     why = f"; {eps_note}" if eps_note and cause in ("div_by_zero", "optimizer_state") else ""
     spread = sorted({s["state"] for s in failure.nonfinite_state if s["param"] == failure.param_name} - {replay.denominator_state})
     also = f"; {', '.join(spread)} turned non-finite too" if spread and failure.nonfinite_params else ""
@@ -272,14 +272,14 @@ def _texts(guard: "Guard", failure: "UpdateFailure", replay: UpdateReplay, state
     return summary, fix
 
 
-def optimizer_incident(guard: "Guard", failure: "UpdateFailure") -> Incident:
+def optimizer_incident(watched: "Watched", failure: "UpdateFailure", history: Sequence[dict[str, Any]]) -> Incident:
     """The incident of an update that went non-finite (already undone), with the replay's verdict."""
-    assert guard.optimizer is not None
-    param = guard._params[failure.param_index]
-    group = next(g for g in guard.optimizer.param_groups if any(p is param for p in g["params"]))
+    assert watched.optimizer is not None
+    param = watched.params[failure.param_index]
+    group = next(g for g in watched.optimizer.param_groups if any(p is param for p in g["params"]))
     start = time.perf_counter()
     try:
-        replay = replay_update(guard.optimizer, param)
+        replay = replay_update(watched.optimizer, param)
     except Exception as exc:  # a diagnosis that fails must not take the training run down
         replay = UpdateReplay(reproduced=True)
         replay_error: str | None = f"{type(exc).__name__}: {exc}"
@@ -293,16 +293,16 @@ def optimizer_incident(guard: "Guard", failure: "UpdateFailure") -> Incident:
     eps_note = eps_problem(float(eps), param.dtype) if isinstance(eps, (int, float)) else None
     if cause == "div_by_zero" and replay.denominator_state is not None and eps_note:
         cause = "optimizer_state"  # a state-derived denominator plus an eps its dtype cannot hold: the state's fault
-    summary, fix = _texts(guard, failure, replay, state, group, cause, eps_note)
+    summary, fix = _texts(watched, failure, replay, state, group, cause, eps_note)
     module = failure.param_name.rpartition(".")[0]
     for item in replay.chain:
         item["module"] = module
-    finding = Finding(guard.step, kind, "optimizer", cause, module, summary, fix)
-    action = action_for(guard.policy, finding, finite_trouble=False, config=guard.config)
+    finding = Finding(watched.step, kind, "optimizer", cause, module, summary, fix)
+    action = action_for(watched.policy, finding, finite_trouble=False, config=watched.config)
     details: dict[str, Any] = {
         "parameter": failure.param_name,
         "state": state,
-        "optimizer": type(guard.optimizer).__name__,
+        "optimizer": type(watched.optimizer).__name__,
         "hyperparameters": _hyper(group),
         "nonfinite_params": failure.nonfinite_params,
         "nonfinite_state": failure.nonfinite_state,
@@ -314,9 +314,11 @@ def optimizer_incident(guard: "Guard", failure: "UpdateFailure") -> Incident:
         details["float32_replay_finite"] = replay.float32_finite
     if replay_error is not None:
         details["localisation_error"] = replay_error
-    return Incident(
-        step=guard.step, kind=kind, phase="optimizer", op=replay.op, module=module, source=replay.source,
-        rank=guard.rank, cause=cause, summary=summary, fix=fix, action=action,
-        transient=None if replay_error else not replay.reproduced, chain=replay.chain,
-        input_stats=replay.input_stats, details=details, history=list(guard._recorder),
-    )
+    from ..reporting import new_incident
+
+    incident = new_incident(watched, kind=kind, phase="optimizer", module=module, cause=cause, summary=summary,
+                            fix=fix, action=action, details=details, history=history)
+    incident.op, incident.source = replay.op, replay.source
+    incident.chain, incident.input_stats = replay.chain, replay.input_stats
+    incident.transient = None if replay_error else not replay.reproduced
+    return incident

@@ -9,7 +9,6 @@ setting (e.g. TensorBoard not installed) must fail at ``watch()`` with a clear m
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from .base import Monitor, Signal, StepContext
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
 
 __all__ = ["MonitorFailedWarning", "SafeMonitor", "is_sampled"]
 
@@ -34,28 +33,27 @@ def is_sampled(step: int, every: int) -> bool:
 class SafeMonitor(Monitor):
     """Base of the built-in monitors: override the ``_``-prefixed hooks.
 
-    Holds the guard weakly (``self.guard``), so a forgotten guard is still collected.
+    Receives the guard's read-only view of what is watched (``self.watched``), never the guard.
     """
 
     name = "monitor"
 
     def __init__(self) -> None:
-        self._guard_ref: Any = None
+        self._watched: "Watched | None" = None
         self.failed: BaseException | None = None
         self.active = False
 
     @property
-    def guard(self) -> "Guard":
-        guard = self._guard_ref() if self._guard_ref is not None else None
-        if guard is None:
-            raise RuntimeError(f"nantrace: the {self.name} monitor is not attached to a live guard")
-        return guard
+    def watched(self) -> "Watched":
+        if self._watched is None:
+            raise RuntimeError(f"nantrace: the {self.name} monitor is not attached to a guard")
+        return self._watched
 
-    def attach(self, guard: "Guard") -> None:
-        self._guard_ref = weakref.ref(guard)
-        self.active = guard.optimizer is not None  # without an optimizer there are no steps
+    def attach(self, watched: "Watched") -> None:
+        self._watched = watched
+        self.active = watched.optimizer is not None  # without an optimizer there are no steps
         if self.active:
-            self._attach(guard)
+            self._attach(watched)
 
     def before_update(self, step: int, params: list[torch.Tensor]) -> None:
         if not self.active:
@@ -97,7 +95,7 @@ class SafeMonitor(Monitor):
                           MonitorFailedWarning, stacklevel=3)
 
     # ------------------------------------------------------------ to override
-    def _attach(self, guard: "Guard") -> None:
+    def _attach(self, watched: "Watched") -> None:
         """Set up (only called when the guard has an optimizer)."""
 
     def _before_update(self, step: int, params: list[torch.Tensor]) -> None:

@@ -29,7 +29,7 @@ from ._readback import DeferredRead
 from .base import Signal, StepContext
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
 
 __all__ = ["ActivationFigures", "ActivationMonitor", "output_stats"]
 
@@ -78,21 +78,21 @@ class ActivationMonitor(SafeMonitor):
         self._stats: dict[int, list[torch.Tensor]] = {}
         self._pending: tuple[int, list[int], DeferredRead] | None = None
 
-    def _attach(self, guard: "Guard") -> None:
-        if guard.store is None and guard.config.outputs.tensorboard is False:
+    def _attach(self, watched: "Watched") -> None:
+        if watched.store is None and watched.config.outputs.tensorboard is False:
             self.active = False  # nowhere to keep the figures: cost nothing
             return
-        if guard.model is not guard.root and hasattr(guard.model, "_orig_mod"):
+        if watched.model is not watched.root and hasattr(watched.model, "_orig_mod"):
             warnings.warn("nantrace: activation statistics are off for a torch.compile'd model (hooks would recompile it)",
                           RuntimeWarning, stacklevel=4)
             self.active = False
             return
-        named = list(guard.root.named_modules())
+        named = list(watched.root.named_modules())
         self.names = [n for n, _ in named]
         self._modules = [m for _, m in named]
-        if guard.store is not None:
-            guard.store.set_meta("activation_names", self.names)
-        if is_sampled(guard.step, self.every):
+        if watched.store is not None:
+            watched.store.set_meta("activation_names", self.names)
+        if is_sampled(watched.step, self.every):
             self._install()
 
     def _install(self) -> None:
@@ -106,8 +106,8 @@ class ActivationMonitor(SafeMonitor):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not torch.is_grad_enabled():
                 return
-            guard = self._guard_ref() if self._guard_ref is not None else None
-            if guard is None or getattr(guard, "_replaying", False):
+            watched = self._watched
+            if watched is None or watched.replaying:
                 return
             with torch.no_grad():
                 stats = output_stats(floating_tensors(output))
@@ -147,7 +147,7 @@ class ActivationMonitor(SafeMonitor):
             absmax, nonfinite = values[2 * k], values[2 * k + 1]
             rows.append((i, absmax, int(nonfinite)))
         self.latest = ActivationFigures(step, rows)
-        store = self.guard.store
+        store = self.watched.store
         if store is not None:
             with store.transaction():
                 store.log_activation_stats(step, rows)

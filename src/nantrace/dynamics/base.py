@@ -15,7 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..detection.sentinel import StepHealth
-    from ..guard import Guard
+    from ..watched import Watched
 
 
 @dataclasses.dataclass
@@ -56,7 +56,7 @@ class Monitor:
     summary_key: str | None = None
     """Where :func:`nantrace.dynamics.summary` puts this monitor's ``summary()`` (``None``: not summarised)."""
 
-    def attach(self, guard: "Guard") -> None:
+    def attach(self, watched: "Watched") -> None:
         """Called once by the guard after it has installed its own hooks."""
 
     def before_update(self, step: int, params: list[torch.Tensor]) -> None:

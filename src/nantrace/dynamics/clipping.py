@@ -37,7 +37,7 @@ from ._readback import DeferredRead, stack_on
 from .base import Signal, StepContext
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
 
 __all__ = ["ClipMonitor", "clipping_wrapper", "suggest_max_norm"]
 
@@ -139,8 +139,8 @@ class ClipMonitor(SafeMonitor):
         self._registered = False
         self._meta_at = -_META_EVERY
 
-    def _attach(self, guard: "Guard") -> None:
-        self._ids = {id(p) for p in guard._params}
+    def _attach(self, watched: "Watched") -> None:
+        self._ids = {id(p) for p in watched.params}
         for patch in CLIP_FUNCTIONS:
             patch.add(id(self), self._on_clip)
         self._registered = True
@@ -160,11 +160,11 @@ class ClipMonitor(SafeMonitor):
     def _record_clip(self, params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
         if not self.active or not params or not any(id(p) in self._ids for p in params[:4]):
             return
-        guard = self._guard_ref() if self._guard_ref is not None else None
-        if guard is None or guard.closed:
+        watched = self._watched
+        if watched is None or watched.closed:
             return
-        scaler = guard.scaler
-        if scaler is not None and scaler.is_enabled() and not getattr(guard, "_unscaled", True):
+        scaler = watched.scaler
+        if scaler is not None and scaler.is_enabled() and not watched.unscaled:
             self._scaled_call = True
         self._step_calls.append((total.detach().reshape(()), max_norm))
 
@@ -222,8 +222,7 @@ class ClipMonitor(SafeMonitor):
         self._meta_at = self.clip_steps
 
     def _store(self) -> Any:
-        guard = self._guard_ref() if self._guard_ref is not None else None
-        return guard.store if guard is not None else None
+        return self._watched.store if self._watched is not None else None
 
     # -------------------------------------------------------------- judgements
     def _judge(self) -> list[Signal]:
@@ -273,7 +272,7 @@ class ClipMonitor(SafeMonitor):
         try:
             if self._step_calls:  # clipped after the last step: counted, not judged healthy
                 calls, self._step_calls = self._step_calls, []
-                self._unread.append((self.guard.step, False, [m for _, m in calls], [t for t, _ in calls]))
+                self._unread.append((self.watched.step, False, [m for _, m in calls], [t for t, _ in calls]))
             if self._reading is not None:
                 self._finish(*self._reading)
                 self._reading = None

@@ -29,7 +29,7 @@ from .base import Signal, StepContext
 from .early_warnings import LayerWarnings, WarningSettings
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
 
 __all__ = ["LayerFigures", "LayerStatsMonitor", "update_norms"]
 
@@ -109,14 +109,14 @@ class LayerStatsMonitor(SafeMonitor):
         self._before: list[torch.Tensor] | None = None
         self._pending: _PendingUpdate | None = None
 
-    def _attach(self, guard: "Guard") -> None:
-        self._params = guard._params
-        self.index = LayerIndex(guard._param_names)
+    def _attach(self, watched: "Watched") -> None:
+        self._params = watched.params
+        self.index = LayerIndex(watched.param_names)
         self.index.set_numel([p.numel() for p in self._params])
         if self.settings is not None:
             self.warnings = LayerWarnings(self.index.names, self.settings)
-        if guard.store is not None:
-            guard.store.set_meta("layer_names", self.index.names)
+        if watched.store is not None:
+            watched.store.set_meta("layer_names", self.index.names)
 
     def _before_update(self, step: int, params: list[torch.Tensor]) -> None:
         self._before = None
@@ -163,7 +163,7 @@ class LayerStatsMonitor(SafeMonitor):
         del before
         device = params[0].device
         values = stack_on(diff + extra, device, accumulation_dtype(device))
-        if self.guard.sharded and self.guard.world_size > 1:  # shard norms -> the parameter's norm
+        if self.watched.sharded and self.watched.world_size > 1:  # shard norms -> the parameter's norm
             values = values.square()
             torch.distributed.all_reduce(values)
             values = values.sqrt()
@@ -185,7 +185,7 @@ class LayerStatsMonitor(SafeMonitor):
         return []
 
     def _write(self, figures: LayerFigures) -> None:
-        store = self.guard.store
+        store = self.watched.store
         if store is not None:
             with store.transaction():
                 store.log_layer_stats(figures.step, figures.rows())

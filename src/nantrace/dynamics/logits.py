@@ -33,7 +33,7 @@ from ._readback import DeferredRead
 from .base import Signal, StepContext
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
 
 __all__ = ["LogitFigures", "LogitSaturationMonitor", "find_logits", "logit_stats"]
 
@@ -108,14 +108,14 @@ class LogitSaturationMonitor(SafeMonitor):
         self._run = 0
         self._fired = False
 
-    def _attach(self, guard: "Guard") -> None:
-        if is_sampled(guard.step, self.every):
+    def _attach(self, watched: "Watched") -> None:
+        if is_sampled(watched.step, self.every):
             self._install()
 
     def _install(self) -> None:
         if self._handle is None:
             self._captured = None
-            self._handle = self.guard.model.register_forward_hook(self._hook)
+            self._handle = self.watched.model.register_forward_hook(self._hook)
 
     def _uninstall(self) -> None:
         if self._handle is not None:
@@ -125,8 +125,8 @@ class LogitSaturationMonitor(SafeMonitor):
     def _hook(self, module: Any, args: Any, output: Any) -> None:
         if self._captured is not None or not torch.is_grad_enabled():
             return
-        guard = self._guard_ref() if self._guard_ref is not None else None
-        if guard is None or getattr(guard, "_replaying", False):
+        watched = self._watched
+        if watched is None or watched.replaying:
             return
         try:
             logits = find_logits(output)

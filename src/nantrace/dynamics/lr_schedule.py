@@ -42,7 +42,7 @@ from ._common import SafeMonitor
 from .base import Signal, StepContext
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
 
 __all__ = ["LRScheduleMonitor", "ScheduleSpec", "validate_schedule"]
 
@@ -207,10 +207,10 @@ class LRScheduleMonitor(SafeMonitor):
         self._observed: list[tuple[int, float]] = []
         self._report_at = 0
 
-    def _attach(self, guard: "Guard") -> None:
-        optimizer = guard.optimizer
+    def _attach(self, watched: "Watched") -> None:
+        optimizer = watched.optimizer
         assert optimizer is not None
-        self.first_step = guard.step
+        self.first_step = watched.step
         groups = optimizer.param_groups
         self.peaks = [float(g.get("initial_lr", g.get("lr", float("nan")))) for g in groups]
         if self.spec is not None and self.spec.peak_lr is not None:

@@ -34,7 +34,7 @@ from ._readback import DeferredRead, accumulation_dtype, host_value, stack_on
 from .base import Signal, StepContext
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
 
 __all__ = ["AdamFigures", "OptimizerStateMonitor", "eps_problem", "tensor_state_stats"]
 
@@ -117,9 +117,9 @@ class OptimizerStateMonitor(SafeMonitor):
         self._fired: set[tuple[str, Any]] = set()
         self._applied = 0
 
-    def _attach(self, guard: "Guard") -> None:
-        self.index = LayerIndex(guard._param_names)
-        self._position = {id(p): i for i, p in enumerate(guard._params)}
+    def _attach(self, watched: "Watched") -> None:
+        self.index = LayerIndex(watched.param_names)
+        self._position = {id(p): i for i, p in enumerate(watched.params)}
         self._history = [deque(maxlen=64) for _ in self.index.names]
         self._underflow_run = np.zeros(len(self.index), dtype=np.int64)
 
@@ -141,7 +141,7 @@ class OptimizerStateMonitor(SafeMonitor):
 
     def _adam_entries(self) -> list[tuple[int, torch.Tensor, torch.Tensor, float]]:
         """(tensor index, exp_avg, exp_avg_sq, threshold) of every watched tensor with Adam state."""
-        optimizer = self.guard.optimizer
+        optimizer = self.watched.optimizer
         assert optimizer is not None
         out = []
         for group in optimizer.param_groups:
@@ -193,11 +193,11 @@ class OptimizerStateMonitor(SafeMonitor):
         return self._judge(step, m_norm, underflow, nonfinite, present)
 
     def _numel(self, i: int) -> int:
-        return self.guard._params[i].numel()
+        return self.watched.params[i].numel()
 
     # -------------------------------------------------------------- judgements
     def _check_eps(self) -> list[Signal]:
-        optimizer = self.guard.optimizer
+        optimizer = self.watched.optimizer
         assert optimizer is not None
         signals = []
         for g, group in enumerate(optimizer.param_groups):
@@ -210,7 +210,7 @@ class OptimizerStateMonitor(SafeMonitor):
                 v = state.get("exp_avg_sq")
                 dtype = v.dtype if isinstance(v, torch.Tensor) else p.dtype
                 i = self._position.get(id(p))
-                dtypes.setdefault(dtype, []).append(self.guard._param_names[i] if i is not None else "?")
+                dtypes.setdefault(dtype, []).append(self.watched.param_names[i] if i is not None else "?")
             for dtype, names in dtypes.items():
                 problem = eps_problem(eps, dtype)
                 if problem is None or ("eps", (g, dtype)) in self._fired:

@@ -33,7 +33,7 @@ from .rerun import rerun_scope, run_unit
 from .tracer import FailedOp, OpRecord, OpTracer, tensor_stats
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
     from ..incident import Incident
 
 VALUE_CHECKS = re.compile(
@@ -53,7 +53,7 @@ def is_value_message(message: str) -> bool:
     return bool(VALUE_CHECKS.search(message)) and not NOT_VALUES.search(message)
 
 
-def diagnose_exception(guard: "Guard", incident: "Incident", capture: Any, exc: BaseException | None) -> bool:
+def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, exc: BaseException | None) -> bool:
     """Fill ``incident`` (kind ``exception``) from a replay of the step that raised ``exc``.
 
     Returns False when the evidence says the exception has nothing to do with a value: the
@@ -68,17 +68,17 @@ def diagnose_exception(guard: "Guard", incident: "Incident", capture: Any, exc: 
     failure: FailedOp | None = None
     tracer: OpTracer | None = None
     replay_error: BaseException | None = None
-    externals = externals_of(guard, units)
+    externals = externals_of(watched, units)
     model_start: OpRecord | None = None
-    with rerun_scope(guard):
-        modules = ModuleStack(guard.root)
+    with rerun_scope(watched):
+        modules = ModuleStack(watched.root)
         tracer = OpTracer(modules, externals)
         with modules, tracer:
             if replayable:
-                result = _replay_units(guard, units)
+                result = _replay_units(watched, units)
                 replay_error, outputs_finite, observed = result
             else:
-                step = replay_step(guard, units, tape, tracer, backward=False)
+                step = replay_step(watched, units, tape, tracer, backward=False)
                 replay_error, outputs_finite, observed = step.error, step.model_outputs_finite, []
         records.extend(tracer.records)
         failure = tracer.failure
@@ -90,7 +90,7 @@ def diagnose_exception(guard: "Guard", incident: "Incident", capture: Any, exc: 
     message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     incident.details["exception"] = message
     incident.transient = False if replay_error is not None or records else None
-    cls, origin = _from_evidence(failure, records, guard, param_modules(guard), model_start)
+    cls, origin = _from_evidence(failure, records, watched, param_modules(watched), model_start)
     if cls is None:
         # no value evidence: only a torch op's own value check (or a CUDA assert, which cannot be
         # replayed) makes it an incident; a Python error that mentions "range" or "nan" does not
@@ -115,19 +115,19 @@ def diagnose_exception(guard: "Guard", incident: "Incident", capture: Any, exc: 
     return True
 
 
-def _replay_units(guard: "Guard", units: list[Any]) -> tuple[BaseException | None, bool, list[Any]]:
+def _replay_units(watched: "Watched", units: list[Any]) -> tuple[BaseException | None, bool, list[Any]]:
     """Replay ``guard.replayable`` calls (the loss is inside them) until one raises."""
     finite = True
     for unit in units:
         try:
-            result = run_unit(guard, unit, backward=False)
+            result = run_unit(watched, unit, backward=False)
         except Exception as err:
             return err, finite, []
         finite = finite and result.forward_finite
     return None, finite, []
 
 
-def _from_evidence(failure: FailedOp | None, records: list[OpRecord], guard: "Guard",
+def _from_evidence(failure: FailedOp | None, records: list[OpRecord], watched: "Watched",
                    modules_of: dict[str, str], model_start: OpRecord | None = None
                    ) -> tuple[Classification | None, Origin | None]:
     bad_inputs = [ref for ref in (failure.inputs if failure else []) if ref.nan or ref.inf]

@@ -26,7 +26,7 @@ from .rerun import float32_model, rerun_scope, run_unit
 from .tracer import OpRecord, OpTracer
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
     from ..incident import Incident
 
 
@@ -34,11 +34,11 @@ class NotReplayable(Exception):
     """The user's forward raised when re-run from the captured state; ``__cause__`` is its exception."""
 
 
-def localise_incident(guard: "Guard", incident: "Incident", capture: StepCapture) -> None:
+def localise_incident(watched: "Watched", incident: "Incident", capture: StepCapture) -> None:
     """Fill in ``incident`` from a replay of the step; never raises into the training loop."""
     start = time.perf_counter()
     try:
-        _localise(guard, incident, capture)
+        _localise(watched, incident, capture)
     except NotReplayable as exc:
         cause = exc.__cause__
         incident.details["not_replayable"] = f"{type(cause).__name__}: {cause}"
@@ -56,11 +56,11 @@ def localise_incident(guard: "Guard", incident: "Incident", capture: StepCapture
         incident.details["localisation_seconds"] = round(time.perf_counter() - start, 4)
 
 
-def externals_of(guard: "Guard", units: list[Any]) -> dict[int, str]:
+def externals_of(watched: "Watched", units: list[Any]) -> dict[int, str]:
     ext: dict[int, str] = {}
-    for name, p in guard.root.named_parameters():
+    for name, p in watched.root.named_parameters():
         ext[id(p)] = f"param:{name}"
-    for name, b in guard.root.named_buffers():
+    for name, b in watched.root.named_buffers():
         ext[id(b)] = f"buffer:{name}"
     for unit in units:
         for t in floating_tensors((unit.args, unit.kwargs)):
@@ -68,31 +68,31 @@ def externals_of(guard: "Guard", units: list[Any]) -> dict[int, str]:
     return ext
 
 
-def param_modules(guard: "Guard") -> dict[str, str]:
-    names = [n for n, _ in guard.root.named_parameters()] + [n for n, _ in guard.root.named_buffers()]
+def param_modules(watched: "Watched") -> dict[str, str]:
+    names = [n for n, _ in watched.root.named_parameters()] + [n for n, _ in watched.root.named_buffers()]
     return {n: n.rpartition(".")[0] for n in names}
 
 
-def _is_low_precision(guard: "Guard", unit: Any) -> bool:
+def _is_low_precision(watched: "Watched", unit: Any) -> bool:
     if unit.autocast.low_precision:
         return True
-    if any(p.dtype in LOW_PRECISION for p in guard._params):
+    if any(p.dtype in LOW_PRECISION for p in watched.params):
         return True
     return any(t.dtype in LOW_PRECISION for t in floating_tensors((unit.args, unit.kwargs)))
 
 
-def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> None:
+def _localise(watched: "Watched", incident: "Incident", capture: StepCapture) -> None:
     units: list[Any] = list(capture.calls) or list(capture.forwards)
     if not units:
         incident.details["localisation"] = "nothing to replay: no forward of the watched model ran in this step"
         return
     replayable = isinstance(units[0], CallRecord)
-    compiled = hasattr(guard.model, "_orig_mod")
+    compiled = hasattr(watched.model, "_orig_mod")
     # Were the model's outputs finite in the real step? (None: not checked.) When they were
     # not, the gradients recorded at the outputs came back from a non-finite loss and say
     # nothing about the loss function.
     outputs_finite = None if capture.outputs_ok is None else bool(capture.outputs_ok)
-    externals = externals_of(guard, units)
+    externals = externals_of(watched, units)
     observed_in: str | None = None
     start: OpRecord | None = None
     origin: Origin | None = None
@@ -103,13 +103,13 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
     tape = capture.tape if not replayable else None
     # The loss was non-finite while the model's outputs were finite: the loss code is where it began.
     loss_side = incident.kind == "nonfinite_loss" and outputs_finite is True and tape is not None and tape.usable
-    with rerun_scope(guard):
+    with rerun_scope(watched):
         for index, unit in enumerate(units):
-            modules = ModuleStack(guard.root)
+            modules = ModuleStack(watched.root)
             tracer = OpTracer(modules, externals)
             try:
                 with modules, tracer:
-                    result = run_unit(guard, unit)
+                    result = run_unit(watched, unit)
                     tracer.flush()
             except Exception as exc:  # the user's code raised on re-run: the step cannot be replayed
                 raise NotReplayable(exc) from exc
@@ -133,10 +133,10 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
                 and outputs_finite is not False:
             # The model replays finite: the failure was born in the loss code. Replay the whole step,
             # forwards and loss tape in one graph, then its backward into the parameters.
-            modules = ModuleStack(guard.root)
+            modules = ModuleStack(watched.root)
             tracer = OpTracer(modules, externals)
             with modules, tracer:
-                taped = replay_step(guard, units, tape, tracer)
+                taped = replay_step(watched, units, tape, tracer)
             incident.details["loss_code_replayed"] = len(tape.entries)
             if taped.error is not None:
                 loss_error = f"{type(taped.error).__name__}: {taped.error}"
@@ -151,10 +151,10 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
             incident.details["loss_code"] = ("not replayable: " + ("more than the tape's limit of calls"
                                              if tape.truncated else "the loss code left no tape"))
         incident.details["ops_replayed"] = tracer.ops_seen if tracer is not None else 0
-        if observed_in is not None and failing_unit is not None and failing_unit is not tape and guard.config.localisation.precision_check \
-                and _is_low_precision(guard, failing_unit):
-            with float32_model(guard.root):
-                r32 = run_unit(guard, failing_unit, full_precision=True, backward=observed_in == "backward")
+        if observed_in is not None and failing_unit is not None and failing_unit is not tape and watched.config.localisation.precision_check \
+                and _is_low_precision(watched, failing_unit):
+            with float32_model(watched.root):
+                r32 = run_unit(watched, failing_unit, full_precision=True, backward=observed_in == "backward")
             finite32 = r32.forward_finite and r32.grads_finite is not False
             incident.details["float32_rerun_finite"] = finite32
 
@@ -181,7 +181,7 @@ def _localise(guard: "Guard", incident: "Incident", capture: StepCapture) -> Non
         incident.details["localisation"] = "the non-finite value was observed but no traced op produced it"
         return
     origin = trace_back(start)
-    cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=param_modules(guard),
+    cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=param_modules(watched),
                    ignored_targets=tracer.ignored_targets if tracer is not None else None,
                    made_by=tracer.made_by if tracer is not None else None, history=incident.history,
                    divergence_seen=incident.details.get("divergence"))

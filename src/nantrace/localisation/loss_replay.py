@@ -26,7 +26,7 @@ from .rerun import run_unit
 from .tracer import OpTracer
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
 
 
 @dataclasses.dataclass
@@ -83,7 +83,7 @@ class _Decoder:
         return obj
 
 
-def replay_step(guard: "Guard", units: list[Any], tape: LossTape | None, tracer: OpTracer, *,
+def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tracer: OpTracer, *,
                 backward: bool = True) -> StepResult:
     """Replay the step's forwards and its loss tape in one graph (inside the tracer and a module stack)."""
     replaced: dict[int, torch.Tensor] = {}
@@ -95,7 +95,7 @@ def replay_step(guard: "Guard", units: list[Any], tape: LossTape | None, tracer:
             for t in floating_tensors((unit.args, unit.kwargs)):
                 shared.add(id(t))
             try:
-                result = run_unit(guard, unit, backward=False)
+                result = run_unit(watched, unit, backward=False)
             except Exception as exc:
                 return StepResult(None, False, None, exc, outputs_finite)
             outputs_finite = outputs_finite and result.forward_finite
@@ -136,7 +136,7 @@ def replay_step(guard: "Guard", units: list[Any], tape: LossTape | None, tracer:
         if any(l.requires_grad for l in losses) else losses[-1]
     if not backward or not loss.requires_grad:
         return StepResult(loss, True, None, None, outputs_finite)
-    leaves = [p for p in guard._params if p.requires_grad] + decode.leaves + [
+    leaves = [p for p in watched.params if p.requires_grad] + decode.leaves + [
         t for unit in units for t in floating_tensors((unit.args, unit.kwargs)) if t.requires_grad and t.is_leaf]
     if not leaves:
         return StepResult(loss, True, None, None, outputs_finite)

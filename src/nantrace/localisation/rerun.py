@@ -25,7 +25,7 @@ from torch import nn
 from ..capture import CallRecord, ForwardRecord, RngState, floating_tensors
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
 
 Unit = ForwardRecord | CallRecord
 
@@ -42,20 +42,18 @@ class UnitResult:
 
 
 @contextlib.contextmanager
-def rerun_scope(guard: "Guard") -> Iterator[None]:
+def rerun_scope(watched: "Watched") -> Iterator[None]:
     """Save RNG and buffers, mark the guard as replaying; restore everything on exit."""
     rng = RngState.current()
-    buffers = {n: b.detach().clone() for n, b in guard.root.named_buffers()}
-    was_training = guard.root.training
-    guard._replaying = True
+    buffers = {n: b.detach().clone() for n, b in watched.root.named_buffers()}
+    was_training = watched.root.training
     try:
-        with _eager(), _silenced():
+        with watched.replay(), _eager(), _silenced():
             yield
     finally:
-        guard._replaying = False
-        guard.root.train(was_training)
+        watched.root.train(was_training)
         with torch.no_grad():
-            for n, b in guard.root.named_buffers():
+            for n, b in watched.root.named_buffers():
                 if n in buffers and b.shape == buffers[n].shape:
                     b.copy_(buffers[n])
         rng.restore()
@@ -112,12 +110,12 @@ def _upcast(obj: Any) -> Any:
     return obj
 
 
-def run_unit(guard: "Guard", unit: Unit, *, full_precision: bool = False, backward: bool = True) -> UnitResult:
+def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, backward: bool = True) -> UnitResult:
     """Replay one unit from its recorded state. Call inside :func:`rerun_scope`."""
     unit.rng.restore()
     if unit.buffers:
         with torch.no_grad():
-            for n, b in guard.root.named_buffers():
+            for n, b in watched.root.named_buffers():
                 if n in unit.buffers and b.shape == unit.buffers[n].shape:
                     b.copy_(unit.buffers[n])
     args, kwargs = unit.args, unit.kwargs
@@ -135,12 +133,12 @@ def run_unit(guard: "Guard", unit: Unit, *, full_precision: bool = False, backwa
         if isinstance(unit, CallRecord):
             result = unit.fn(*args, **kwargs)
         else:
-            result = guard.root(*args, **kwargs)
+            result = watched.root(*args, **kwargs)
     observed = floating_tensors(result)
     forward_finite = all(bool(torch.isfinite(t).all()) for t in observed)
     if not forward_finite or not backward:
         return UnitResult(observed, forward_finite, None, None)
-    params = [p for p in guard._params if p.requires_grad]
+    params = [p for p in watched.params if p.requires_grad]
     if isinstance(unit, CallRecord):
         roots = [t for t in observed if t.requires_grad and t.numel() == 1][:1]
         grad_outputs: list[torch.Tensor] | None = None

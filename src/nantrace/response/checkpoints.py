@@ -120,7 +120,7 @@ class CheckpointGate:
             self._refused_at.add(guard.step)
             message = f"nantrace refused to save a checkpoint{f' to {path}' if path else ''} ({where}): {self.reason}."
             warnings.warn(message, CheckpointRefusedWarning, stacklevel=3)
-            guard._record(self._incident(where, path, self._cache[3]))
+            guard.reporter.record(self._incident(where, path, self._cache[3]))
         return True
 
     def _incident(self, where: str, path: str | None, bad: list[dict[str, object]]) -> "Incident":
@@ -141,9 +141,9 @@ class CheckpointGate:
             details["episode"] = episode.summary()
             fix = ("Save again once the episode has ended (Config.episode_gap healthy steps); if it does not end, "
                    "resume from the last good checkpoint with the fix the episode's incident names.")
-        return Incident(step=step, kind=kind, phase=None, op=None, module=module, source=None, rank=guard.rank,
-                        cause=cause, summary=f"Checkpoint refused ({where}): {self.reason}.", fix=fix, action=Action.LOGGED,
-                        details=details, history=list(guard._recorder))
+        return guard.reporter.new(step=step, kind=kind, module=module, cause=cause,
+                                  summary=f"Checkpoint refused ({where}): {self.reason}.", fix=fix, action=Action.LOGGED,
+                                  details=details)
 
     # ------------------------------------------------------------ loading
     def loaded_state_finding(self, step: int, params_finite: bool = False) -> "Finding | None":

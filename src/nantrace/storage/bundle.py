@@ -26,7 +26,7 @@ from ..incident import Incident
 from .tape_codec import Unencodable, decode_tape, encode_tape
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
 
 FORMAT_VERSION = 1
 REQUIRED = ("diagnosis.json", "env.json", "state.pt", "batch.pt")
@@ -53,20 +53,20 @@ def _safe(obj: Any, depth: int = 0) -> Any:
     return None
 
 
-def model_factory_path(guard: "Guard") -> str | None:
+def model_factory_path(watched: "Watched") -> str | None:
     """``module:qualname`` to rebuild the model in a fresh process, when one is importable."""
-    if guard.config.outputs.model_factory:
-        return guard.config.outputs.model_factory
-    cls = type(guard.root)
+    if watched.config.outputs.model_factory:
+        return watched.config.outputs.model_factory
+    cls = type(watched.root)
     if cls.__module__ in ("__main__", "builtins") or "<locals>" in cls.__qualname__:
         return None
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def write_bundle(guard: "Guard", incident: Incident, capture: StepCapture) -> str:
+def write_bundle(watched: "Watched", incident: Incident, capture: StepCapture) -> str:
     """Write the bundle atomically; returns its directory."""
-    assert guard.run_dir is not None
-    root = Path(guard.run_dir) / "incidents"
+    assert watched.run_dir is not None
+    root = Path(watched.run_dir) / "incidents"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{incident.name}-{incident.id}"
     tmp = root / f".tmp-{incident.id}"
@@ -75,9 +75,9 @@ def write_bundle(guard: "Guard", incident: Incident, capture: StepCapture) -> st
     tmp.mkdir()
     try:
         state = {
-            "model": {k: v.detach().cpu().clone() for k, v in guard.root.state_dict().items()},
-            "optimizer": guard.optimizer.state_dict() if guard.optimizer is not None else None,
-            "scaler": guard.scaler.state_dict() if guard.scaler is not None else None,
+            "model": {k: v.detach().cpu().clone() for k, v in watched.root.state_dict().items()},
+            "optimizer": watched.optimizer.state_dict() if watched.optimizer is not None else None,
+            "scaler": watched.scaler.state_dict() if watched.scaler is not None else None,
         }
         torch.save(state, tmp / "state.pt")
         forwards = [
@@ -105,15 +105,15 @@ def write_bundle(guard: "Guard", incident: Incident, capture: StepCapture) -> st
             "python": sys.version.split()[0],
             "platform": platform.platform(),
             "cuda": torch.version.cuda,
-            "device": str(guard._params[0].device) if guard._params else "cpu",
-            "param_dtypes": sorted({str(p.dtype) for p in guard._params}),
-            "model_class": f"{type(guard.root).__module__}:{type(guard.root).__qualname__}",
-            "model_factory": model_factory_path(guard),
+            "device": str(watched.params[0].device) if watched.params else "cpu",
+            "param_dtypes": sorted({str(p.dtype) for p in watched.params}),
+            "model_class": f"{type(watched.root).__module__}:{type(watched.root).__qualname__}",
+            "model_factory": model_factory_path(watched),
             "replayable_fn": _fn_path(capture.calls[0].fn) if capture.calls else None,
             "step": incident.step,
             "rank": incident.rank,
-            "writer_rank": guard.rank,
-            "training": guard.root.training,
+            "writer_rank": watched.rank,
+            "training": watched.root.training,
         }
         (tmp / "env.json").write_text(json.dumps(env, indent=2))
         incident.bundle = str(final)

@@ -31,7 +31,7 @@ from ..dynamics._readback import DeferredRead, stack_on
 from ..dynamics.base import Signal, StepContext
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..watched import Watched
 
 __all__ = ["BUCKET_LIMITS", "TensorBoardMonitor", "gradient_histogram", "open_writer"]
 
@@ -100,19 +100,19 @@ class TensorBoardMonitor(SafeMonitor):
         self._pending: tuple[int, list[int], DeferredRead] | None = None
         self._seen: dict[str, int] = {}
 
-    def _attach(self, guard: "Guard") -> None:
+    def _attach(self, watched: "Watched") -> None:
         setting = self.logdir_setting
         if setting is True:
-            if guard.run_dir is None:
+            if watched.run_dir is None:
                 raise ValueError("Config.tensorboard=True writes to RUN_DIR/tensorboard, but watch() got no run_dir; "
                                  "pass run_dir=... or give Config.tensorboard a log directory")
-            self.logdir = os.path.join(guard.run_dir, "tensorboard")
+            self.logdir = os.path.join(watched.run_dir, "tensorboard")
         else:
             self.logdir = os.fspath(setting)  # type: ignore[arg-type]
         self.writer = open_writer(self.logdir)
-        self.index = LayerIndex(guard._param_names)
-        if guard.store is not None:
-            guard.store.set_meta("tensorboard", self.logdir)
+        self.index = LayerIndex(watched.param_names)
+        if watched.store is not None:
+            watched.store.set_meta("tensorboard", self.logdir)
 
     # ------------------------------------------------------------------ steps
     def _on_step(self, ctx: StepContext) -> list[Signal]:
@@ -141,7 +141,7 @@ class TensorBoardMonitor(SafeMonitor):
         return []
 
     def _start_histograms(self, step: int, ctx: StepContext) -> None:
-        params = self.guard._params
+        params = self.watched.params
         which = [i for i in ctx.grad_index if params[i].grad is not None]
         if not which:
             return
@@ -219,7 +219,7 @@ class TensorBoardMonitor(SafeMonitor):
         clipping = self.peers.get("clipping")
         if clipping is not None and clipping.clip_steps and self._fresh("clip", clipping.clip_steps):
             summary = clipping.summary()
-            step = self.guard.step
+            step = self.watched.step
             if summary["fraction_clipped"] is not None:
                 w.add_scalar("clip/fraction_clipped", summary["fraction_clipped"], step)
             for key, value in summary["pre_clip_norm"].items():

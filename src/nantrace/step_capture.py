@@ -1,0 +1,158 @@
+"""Step capture: what the guard keeps of each training step while it runs, so that a failing
+step can be checked and replayed: the model's forward calls (inputs, RNG, autocast, mutable
+buffers), their outputs' gradients, the loss code's tape, the loss itself, and the cheap
+finiteness flags of inputs and outputs.
+
+:class:`StepRecorder` owns the step's :class:`~nantrace.capture.StepCapture`; the guard
+installs its hooks (the model's forward pre/post hooks, the loss seen through
+``backward()`` or ``GradScaler.scale``) and starts a fresh capture after each step.
+
+Usage (inside the guard)::
+
+    recorder = StepRecorder(watched, on_exception=guard.note_exception)
+    model.register_forward_pre_hook(recorder.forward_pre, with_kwargs=True)
+    ...
+    capture = recorder.capture           # read by the decision and the localiser
+    recorder.reset()                     # after the step
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from .capture import AutocastState, BufferPlan, CallRecord, ForwardRecord, RngState, StepCapture, all_finite, floating_tensors
+from .loss_tape import LossTape
+from .watched import Watched
+
+__all__ = ["StepRecorder"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class StepRecorder:
+    """Records one step at a time of the watched model and loss code."""
+
+    def __init__(self, watched: Watched, *, on_exception: Callable[[BaseException], None]) -> None:
+        self.watched = watched
+        cfg = watched.config
+        self.tape = LossTape() if cfg.localisation.record_loss_code else None
+        """The loss code's tape (``Config.localisation.record_loss_code``), or ``None``."""
+        self.buffers = BufferPlan(watched.root, cfg.localisation.snapshot_buffers)
+        self._on_exception: Callable[[], Callable[[BaseException], None] | None] = (
+            weakref.WeakMethod(on_exception) if hasattr(on_exception, "__self__") else lambda: on_exception
+        )  # the guard owns the recorder: hold its method weakly, so a dropped guard is freed at once
+        if self.tape is not None:
+            self.tape.on_exception = self._exception
+        self.capture = self._new_capture()
+        """What has been captured of the step in progress."""
+
+    def _exception(self, exc: BaseException) -> None:
+        callback = self._on_exception()
+        if callback is not None:
+            callback(exc)
+
+    def _new_capture(self) -> StepCapture:
+        if self.tape is not None:
+            self.tape.reset()
+        return StepCapture(tape=self.tape)
+
+    def reset(self) -> None:
+        """Start the next step's capture."""
+        self.capture = self._new_capture()
+
+    @property
+    def active(self) -> bool:
+        """Something of the step was captured (a forward of the watched model or a ``replayable`` call)."""
+        return bool(self.capture.forwards or self.capture.calls)
+
+    def pause_tape(self) -> None:
+        if self.tape is not None:
+            self.tape.pause()
+
+    # ------------------------------------------------------------ the model's forward
+    def forward_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.pause_tape()  # the model's own ops are replayed from its inputs, not taped
+        if self.watched.closed or self.watched.replaying or not torch.is_grad_enabled():
+            return
+        record = ForwardRecord(args=args, kwargs=kwargs, rng=RngState.current(), autocast=AutocastState.current(),
+                               buffers=self.buffers.snapshot())
+        self.capture.forwards.append(record)
+        if self.watched.config.detection.check_inputs:
+            flag = all_finite(floating_tensors((args, kwargs)))
+            if flag is not None:
+                self.capture.and_inputs(flag)
+
+    def forward_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if output is None and sys.exc_info()[1] is not None:  # the forward raised (an always-called hook)
+            self._exception(sys.exc_info()[1])  # type: ignore[arg-type]
+            return
+        if self.watched.closed or self.watched.replaying or not torch.is_grad_enabled() or not self.capture.forwards:
+            return
+        record = self.capture.forwards[-1]
+        self.buffers.learn()
+        outputs = floating_tensors(output)
+        if self.tape is not None:
+            record.outputs = [weakref.ref(t) for t in outputs]
+        if self.watched.config.detection.check_outputs:
+            flag = all_finite(outputs)
+            if flag is not None:
+                self.capture.and_outputs(flag)
+        if self.watched.config.localisation.keep_output_grads:
+            for i, t in enumerate(outputs):
+                if t.requires_grad:
+                    t.register_hook(functools.partial(_keep_grad, record, i))
+        if self.tape is not None:
+            self.tape.resume()
+
+    # ------------------------------------------------------------ the loss
+    def on_loss(self, loss: torch.Tensor) -> None:
+        """A scalar loss ``backward()`` runs on (``nantrace.patches.BACKWARD``)."""
+        if self.watched.closed or self.watched.replaying:
+            return
+        if self.active:
+            self.record_loss(loss)
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """The step's loss (also from ``GradScaler.scale``): the loss code ends here."""
+        if self.tape is not None:
+            self.tape.note_loss(loss)
+            self.tape.pause()
+        if self.watched.config.detection.check_loss and not self.watched.replaying:
+            self.capture.losses.append(loss.detach())
+
+    def replayable(self, fn: F) -> F:
+        """Wrap the loss computation so that the whole call can be replayed (``guard.replayable``)."""
+        recorder_ref = weakref.ref(self)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            recorder = recorder_ref()
+            if recorder is None or recorder.watched.closed or recorder.watched.replaying or not torch.is_grad_enabled():
+                return fn(*args, **kwargs)
+            record = CallRecord(fn=fn, args=args, kwargs=kwargs, rng=RngState.current(),
+                                autocast=AutocastState.current(), buffers=recorder.buffers.snapshot())
+            recorder.capture.calls.append(record)
+            result = fn(*args, **kwargs)
+            if isinstance(result, torch.Tensor):
+                record.loss = result.detach()
+            return result
+
+        wrapper._nantrace_replayable = fn  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self.tape is not None:
+            self.tape.on_exception = None
+            self.tape.detach()
+        self.capture = StepCapture()
+
+
+def _keep_grad(record: ForwardRecord, index: int, grad: torch.Tensor) -> None:
+    record.output_grads.append((index, grad.detach()))
