@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..diagnosis.classify import Classification, classify, matrix_detail
+from ..diagnosis.classify import Classification, classify
+from ..diagnosis.family_rules import matrix_detail
 from ..diagnosis.patterns import explain, short_op
 from .loss_replay import replay_step
 from .modules import ModuleStack
