@@ -84,3 +84,29 @@ def test_random_calls_in_the_loss_code_replay_with_the_real_draws():
     assert hits, "no draw chose nothing in 60 steps"
     first = hits[0]
     assert (first.op, first.module, first.cause, first.transient) == ("aten.div.Tensor", None, "div_by_zero", False)
+
+
+def test_a_compiled_loss_function_is_diagnosed_without_recompiling_for_the_tape(recwarn):
+    """torch.compile'd loss code: dynamo does not trace into the tape (no recompilations of its
+    handler); the compiled graph's calls are taped at run time and attributed to the user's file."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    @torch.compile(backend="aot_eager")
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y) + torch.log(out.softmax(-1)).mean() * 0
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nantrace.watch(model, opt, config=nantrace.Config(print_incidents=False)) as guard:
+        for i in range(5):
+            x = torch.randn(4, 8) * (1e4 if i == 3 else 1)  # softmax underflows to 0: log(0)
+            opt.zero_grad()
+            loss_fn(model(x), torch.randint(0, 4, (4,))).backward()
+            opt.step()
+    [inc] = guard.incidents
+    assert (inc.step, inc.op, inc.module, inc.cause) == (3, "aten.log.default", None, "log_nonpositive")
+    assert inc.source.startswith("tests/test_loss_tape.py:") or "test_loss_tape.py:" in inc.source
+    assert not [w for w in recwarn if "recompile" in str(w.message).lower()]

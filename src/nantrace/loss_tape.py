@@ -143,7 +143,8 @@ class LossTape(TorchFunctionMode):
     # ------------------------------------------------------------------ recording
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self._recording:
+        if not self._recording or torch.compiler.is_compiling():
+            # a torch.compile'd loss function is traced by dynamo, not taped (its calls run fused, in the graph)
             return func(*args, **kwargs)
         name = _name(func)
         if name in _STOPS:

@@ -64,7 +64,7 @@ def user_source(skip: int = 2) -> str | None:
         library = name.startswith(_TORCH_DIR) or (
             name.startswith(_NANTRACE_DIR) and not name.startswith(_USER_CODE_IN_NANTRACE)
         )
-        if not library and not name.startswith("<frozen"):
+        if not library and not name.startswith(("<frozen", "<eval_with_key>")):  # not a compiled graph's code
             return format_source(name, frame.f_lineno)
         frame = frame.f_back
     return None
