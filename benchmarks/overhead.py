@@ -7,6 +7,7 @@ batches in the same order, AdamW), on the CPU:
 - ``nantrace``        the same loop under ``nantrace.watch(model, optimizer)`` (defaults)
 - ``nantrace_store``  the same with ``run_dir=`` a temporary directory: the run store's rows
                       (one step row and the per-layer rows, one SQLite transaction) every step
+- ``nantrace_notape`` the defaults without the loss tape (``localisation.record_loss_code=False``)
 - ``detect_anomaly``  the same loop inside ``torch.autograd.detect_anomaly(check_nan=True)``
 - ``hf_debug``        ``transformers.debug_utils.DebugUnderflowOverflow(model)`` attached
 
@@ -71,8 +72,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from models import CASES, BenchCase, num_parameters  # noqa: E402
 
-VARIANTS = ("plain", "nantrace", "nantrace_store", "detect_anomaly", "hf_debug")
-GUARDED = ("nantrace", "nantrace_store")
+VARIANTS = ("plain", "nantrace", "nantrace_store", "nantrace_notape", "detect_anomaly", "hf_debug")
+GUARDED = ("nantrace", "nantrace_store", "nantrace_notape")
 """Variants under ``nantrace.watch``: defaults, and defaults plus a run directory (SQLite rows every step)."""
 DEFAULT_STEPS = {"gpt": 5, "cnn": 15, "mlp": 30}
 """Timed steps per variant block, per model (``--steps-per-round`` overrides all)."""
@@ -199,8 +200,11 @@ class Runner:
             if self.variant == "nantrace_store":
                 run_dir = tempfile.mkdtemp(prefix="nantrace-bench-run-")
                 self._run_dirs.append(run_dir)
+            config = None
+            if self.variant == "nantrace_notape":  # the loss tape's share of the overhead
+                config = nantrace.Config(localisation={"record_loss_code": False})
             t0 = time.perf_counter()
-            self._tool = nantrace.watch(self.model, self.optimizer, run_dir=run_dir)
+            self._tool = nantrace.watch(self.model, self.optimizer, run_dir=run_dir, config=config)
             if torch.autograd.backward is _ORIGINAL_AUTOGRAD_BACKWARD:
                 raise CleanlinessError("nantrace.watch() returned but torch.autograd.backward is not intercepted")
         elif self.variant == "detect_anomaly":
