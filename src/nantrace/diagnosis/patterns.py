@@ -217,7 +217,7 @@ def explain(cause: str, op: str | None = None, *, module: str | None = None,
     else:
         where = f" in module '{module}'"
     fields: dict[str, Any] = {
-        "op": short_op(op) or "an op",
+        "op": short_op(op).lstrip("_") or "an op",  # "_softmax" reads as "softmax"
         "where": where,
         "dtype": dtype or "its dtype",
         "detail": f" ({detail})" if detail else "",
