@@ -269,3 +269,34 @@ def test_an_exception_incident_replays_from_its_bundle_to_the_same_diagnosis(tmp
                           origin_line("token_embed"))
     again = nantrace.replay(inc.bundle, model=TokenNet())
     assert where(again) == where(inc) and again.transient is False
+
+
+# -------------------------------------------- a finite value outside a distribution's support (Python check)
+class GaussianPolicy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = nn.Linear(4, 2)
+        self.sd = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mu(x), torch.relu(self.sd(x))  # a standard deviation that can be exactly 0
+
+
+def test_a_scale_of_zero_rejected_by_torch_distributions_is_an_exception_incident():
+    torch.manual_seed(0)
+    model = GaussianPolicy()
+    with torch.no_grad():
+        model.sd.bias.fill_(1.0)  # positive scales on ordinary batches
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
+    with pytest.raises(ValueError, match="to satisfy the constraint") as raised, guard:
+        for step in range(5):
+            x = torch.rand(8, 4) * 0.1 if step != 3 else torch.full((8, 4), -1e3)  # relu(·) = 0 at step 3
+            mu, sd = model(x)
+            loss = -torch.distributions.Normal(mu, sd).log_prob(torch.zeros_like(mu)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.cause, inc.action) == (3, "exception", "domain_error", "raised")
+    assert "scale of Normal" in inc.summary and str(raised.value).splitlines()[0] in inc.details["exception"]

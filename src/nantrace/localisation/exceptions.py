@@ -45,6 +45,8 @@ VALUE_CHECKS = re.compile(
 NOT_VALUES = re.compile(r"out of memory|size mismatch|shapes? .*cannot|must match|expected scalar type|dtype|"
                         r"on the same device|not implemented|unexpected keyword|missing \d+ required", re.IGNORECASE)
 DEVICE_ASSERT = re.compile(r"device-side assert", re.IGNORECASE)
+CONSTRAINT = re.compile(r"Expected parameter (\w+) .* of distribution (\w+).* to satisfy the constraint ([^,]+)", re.S)
+"""torch.distributions' argument validation: a value check of torch's own, written in Python."""
 INDEX_OPS = {"embedding", "nll_loss_forward", "nll_loss2d_forward", "gather", "index_select", "index", "take",
              "scatter", "scatter_add", "index_add", "one_hot", "embedding_bag", "_embedding_bag"}
 
@@ -95,11 +97,19 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
     if cls is None:
         # no value evidence: only a torch op's own value check (or a CUDA assert, which cannot be
         # replayed) makes it an incident; a Python error that mentions "range" or "nan" does not
-        if not is_value_message(str(error)) or (failure is None and not DEVICE_ASSERT.search(str(error))):
+        message_text = str(error)
+        constraint = CONSTRAINT.search(message_text)
+        if not is_value_message(message_text) or (
+                failure is None and not DEVICE_ASSERT.search(message_text) and constraint is None):
             return False
-        cls = Classification("unknown", failure.op if failure else None, failure.module if failure else None,
-                             failure.source if failure else None, failure.phase if failure else None,
-                             "the replay did not show which value it was", None, [])
+        if constraint is not None and failure is None:  # finite values outside a distribution's support
+            name, dist, rule = constraint.groups()
+            cls = Classification("domain_error", None, None, None, "forward",
+                                 f"the {name} of {dist} violates {rule.strip()}", None, [])
+        else:
+            cls = Classification("unknown", failure.op if failure else None, failure.module if failure else None,
+                                 failure.source if failure else None, failure.phase if failure else None,
+                                 "the replay did not show which value it was", None, [])
     incident.op, incident.module, incident.source = cls.op, cls.module, cls.source
     incident.phase, incident.cause, incident.input_stats = cls.phase, cls.cause, cls.stats
     if origin is not None:
@@ -108,6 +118,11 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
             incident.chain.append({"op": failure.op, "phase": failure.phase, "module": failure.module,
                                    "source": failure.source, "produces": "exception", "origin": False})
     summary, fix = explain(cls.cause, cls.op, module=cls.module, dtype=cls.dtype, detail=cls.detail)
+    if cls.op is None and cls.cause == "domain_error":  # a check written in Python (torch.distributions)
+        summary = f"A value outside its domain reached torch's argument validation: {cls.detail}."
+        fix = ("Keep the parameter inside the distribution's support where it is computed: a scale through "
+               "F.softplus(x) + eps (not relu or exp of an unbounded value), probabilities through softmax/sigmoid, "
+               "and check the model's outputs for NaN.")
     raised_by = f" {short_op(failure.op)} raised" if failure is not None else " the step raised"
     incident.summary = f"{summary} Then{raised_by} {message}"
     incident.fix = fix
