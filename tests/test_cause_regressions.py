@@ -293,7 +293,8 @@ def test_a_scale_of_zero_rejected_by_torch_distributions_is_an_exception_inciden
         for step in range(5):
             x = torch.rand(8, 4) * 0.1 if step != 3 else torch.full((8, 4), -1e3)  # relu(·) = 0 at step 3
             mu, sd = model(x)
-            loss = -torch.distributions.Normal(mu, sd).log_prob(torch.zeros_like(mu)).mean()
+            dist = torch.distributions.Normal(mu, sd, validate_args=True)  # (another library may turn the default off)
+            loss = -dist.log_prob(torch.zeros_like(mu)).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
