@@ -21,11 +21,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(tmp_path: Path, scenario: str, policy: str = "skip") -> list[dict]:
+def _torchrun(tmp_path: Path, scenario: str, policy: str = "skip", script: Path = SCRIPT) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(SCRIPT), scenario, policy, str(tmp_path)]
+           str(script), scenario, policy, str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)  # a hang fails here
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -213,7 +213,8 @@ def render_incident(incident: Incident) -> Panel:
     for key, label in (("nonfinite_params", "bad params"), ("nonfinite_grads", "bad grads")):
         bad = incident.details.get(key)
         if bad:
-            names = ", ".join(f"{b['name']} ({b['nan']} NaN, {b['inf']} Inf)" for b in bad[:6])
+            names = ", ".join(f"{b['name']} ({b['nan']} NaN, {b['inf']} Inf)" if b.get("nan") is not None
+                              else f"{b['name']} (norm {b.get('norm', 'non-finite')})" for b in bad[:6])
             more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
             tail.add_row(label, Text(names + more))
     tail.add_row(Text("fix", style="bold green"), Text(incident.fix))

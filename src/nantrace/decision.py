@@ -16,6 +16,7 @@ Usage (inside the guard)::
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 
 from .capture import StepCapture, floating_tensors
 from .detection.divergence import DivergenceDetector
-from .detection.sentinel import StepHealth, finish, nonfinite_tensors, read, stage
+from .detection.sentinel import StagedHealth, StepHealth, finish, nonfinite_tensors, read, stage
 from .detection.spikes import RobustSpikeDetector
 from .diagnosis.triage import Finding, triage
 from .distributed import Agreement, StepRound, agree, combine_shards
@@ -82,7 +83,6 @@ class StepJudge:
         cfg = watched.config.detection
         scaler = watched.scaler
         grads, grad_index = gradients(watched.params)
-        device = grads[0].device if grads else torch.device("cpu")
         staged = stage(
             grads=grads,
             params=watched.params if cfg.check_params else [],
@@ -95,6 +95,19 @@ class StepJudge:
         )
         ranks = StepRound(watched, self, staged, grad_index) if watched.world_size > 1 else None  # on the device
         local, shared = read(staged, ranks.vector if ranks is not None else None)  # the step's one host read
+        return self.conclude(watched, capture, staged, local, shared, ranks, grads, grad_index, via_scaler=via_scaler,
+                             loaded_state=loaded_state, lrs=lrs, history=history)
+
+    def conclude(self, watched: Watched, capture: StepCapture, staged: StagedHealth, local: list[float], shared: Any,
+                 ranks: StepRound | None, grads: list[torch.Tensor], grad_index: list[int], *, via_scaler: bool,
+                 loaded_state: Callable[[bool], Finding | None], lrs: list[float],
+                 history: Sequence[dict[str, Any]]) -> Decision:
+        """The decision from the step's figures as read on the host (``local``, and the agreement
+        vector ``shared`` of ``ranks``): triage, agreement across ranks, the incident. Called right
+        after the read, or one step later in sync-free mode (``grads`` empty then: the gradients
+        of that step are gone; the per-tensor norms name the non-finite ones)."""
+        cfg = watched.config.detection
+        device = staged.vector.device
         health = finish(staged, local)
         if ranks is not None:
             ranks.settle(health, shared)
@@ -175,7 +188,8 @@ def incident_from_finding(watched: Watched, finding: Finding, health: StepHealth
     action = action_for(watched.policy, finding, finite_trouble=is_finite_trouble(finding.kind), config=watched.config)
     details: dict[str, Any] = dict(finding.details)
     if not health.grads_finite:
-        details["nonfinite_grads"] = nonfinite_tensors([(watched.param_names[i], g) for i, g in zip(grad_index, grads)])
+        details["nonfinite_grads"] = nonfinite_tensors([(watched.param_names[i], g) for i, g in zip(grad_index, grads)]) \
+            if grads else nonfinite_from_norms([watched.param_names[i] for i in grad_index], health.grad_norms)
     module = finding.module
     if not health.params_finite:
         details["nonfinite_params"] = bad_params = nonfinite_tensors(list(zip(watched.param_names, watched.params)))
@@ -190,6 +204,14 @@ def incident_from_finding(watched: Watched, finding: Finding, health: StepHealth
     return new_incident(watched, step=finding.step, kind=finding.kind, phase=finding.phase, module=module,
                         cause=finding.cause, summary=finding.summary, fix=finding.fix, action=action,
                         details=details, history=history)
+
+
+def nonfinite_from_norms(names: Sequence[str], norms: Sequence[float]) -> list[dict[str, Any]]:
+    """The tensors whose (float64-accumulated) norm is non-finite, when the tensors themselves are
+    gone: a NaN norm means at least one NaN, an infinite one at least one infinity and no NaN
+    (the counts are unknown: ``None``)."""
+    return [{"name": n, "nan": None, "inf": None, "norm": "nan" if math.isnan(v) else "inf"}
+            for n, v in zip(names, norms) if not math.isfinite(v)]
 
 
 def bad_inputs(capture: StepCapture) -> list[dict[str, Any]]:

@@ -120,6 +120,8 @@ def agree(*, rank: int, world_size: int, local_origin: bool, local_kind: str | N
 # Facts a rank publishes about its own step, one bit each, in a float64 word (exact below 2**53).
 INPUTS_BAD, LOSS_BAD, OUTPUTS_BAD, LOCAL_GRADS_BAD, GRADS_BAD, PARAMS_BAD, LOSS_SPIKE, GRAD_SPIKE = (1 << i for i in range(8))
 _ORIGIN_BITS = INPUTS_BAD | LOSS_BAD | OUTPUTS_BAD | LOCAL_GRADS_BAD | PARAMS_BAD
+DEVICE_BLOCK = 1 << 8
+"""Sync-free mode: this rank's device verdict blocks the update (``sync_free.device_verdict``)."""
 
 
 class StepRound:
@@ -139,7 +141,8 @@ class StepRound:
     reduction) plus, under FSDP2, ``2 + 2 × n_params`` squared norms.
     """
 
-    def __init__(self, watched: "Watched", judge: "StepJudge", staged: "StagedHealth", grad_index: list[int]) -> None:
+    def __init__(self, watched: "Watched", judge: "StepJudge", staged: "StagedHealth", grad_index: list[int],
+                 *, device_block: torch.Tensor | None = None) -> None:
         self.rank, self.world_size = watched.rank, watched.world_size
         self.sharded = watched.sharded
         self.n_params = len(watched.params)
@@ -155,6 +158,7 @@ class StepRound:
         self.words = np.zeros(0, dtype=np.int64)
         self.grad_thresholds = np.zeros(0)
         self.global_grad_norm: float | None = None
+        self._device_block = device_block
         self.vector = self._start(staged)
 
     # -------------------------------------------------------------- on the device
@@ -169,6 +173,8 @@ class StepRound:
             finite = torch.isfinite(loss)
             word = word + (~finite).to(f64) * LOSS_BAD
             word = word + (finite & (loss > self.loss_threshold)).to(f64) * LOSS_SPIKE
+        if self._device_block is not None:
+            word = word + self._device_block.to(f64) * DEVICE_BLOCK
         slot = [word]
         if not self.sharded:  # the norms are this rank's own (DDP: the all-reduced gradients)
             if self.has_grads:
@@ -208,6 +214,11 @@ class StepRound:
             scale[2:2 + self.n_params] = divisor
             squares = squares / scale
         return squares
+
+    def any_block(self) -> torch.Tensor:
+        """On the device, after the all-reduce: some rank's own verdict blocks the update (sync-free mode)."""
+        words = self.vector[: self.world_size * self.k : self.k]
+        return (torch.floor(words / DEVICE_BLOCK) % 2 > 0).any()
 
     # -------------------------------------------------------------- on the host
     def settle(self, health: "StepHealth", shared: np.ndarray) -> None:

@@ -36,7 +36,7 @@ from torch import nn
 
 from ._scaler_hooks import patch_scaler
 from .config import Config
-from .decision import Decision, StepJudge
+from .decision import Decision, StepJudge, gradients
 from .detection.scaler import ScalerMonitor, replay_at_scale_one
 from .distributed import install_local_grad_check, world
 from .dynamics.base import Monitor, StepContext
@@ -51,6 +51,7 @@ from .response.precision import PrecisionFallback
 from .response.rollback_policy import RollbackPolicy
 from .response.update_check import UpdateCheck
 from .step_capture import StepRecorder
+from .sync_free import SyncFree, blocked_by_finite_anomalies, ineligible
 from .storage.runstore import RunStore
 from .taxonomy import Action
 from .watched import GuardState, Watched
@@ -145,7 +146,11 @@ class Guard:
         self.update_check = UpdateCheck(optimizer, params, param_names, enabled=config.detection.check_updates) \
             if optimizer is not None and not self.sharded else None
         """Checks the optimizer's own updates (phase ``optimizer``) and undoes a non-finite one."""
+        self._device_step = False
+        self.sync_free: SyncFree | None = None
+        """Steps decided on the device (``Config.detection.sync_free``), or ``None``: every step reads the host."""
         try:
+            self.sync_free = self._sync_free_mode()
             if self.store is not None:
                 self._write_meta()
             self._install()
@@ -188,6 +193,19 @@ class Guard:
         self._patches.listen(EXCEPTHOOK, self.diagnose_exception)
         self.checks_local_grads = self.world_size > 1 and install_local_grad_check(self)
 
+    def _sync_free_mode(self) -> SyncFree | None:
+        choice = self.config.detection.sync_free
+        if choice is False:
+            return None
+        why = ineligible(self.watched, scaler=self.scaler, policy=self.policy,
+                         skip_snapshots=self.config.response.skip_snapshots)
+        if why is not None:
+            if choice is True:
+                raise ValueError(f"Config.detection.sync_free=True, but {why}. Use sync_free='auto' (decided "
+                                 "per set-up) or False (the synchronous check).")
+            return None
+        return SyncFree(self.watched, self.judge, self.update_check)
+
     def _write_meta(self) -> None:
         assert self.store is not None
         from . import __version__
@@ -220,10 +238,12 @@ class Guard:
         if self.in_scaler_step:
             self._prepare_update(self._decision)
             return None
+        if self.sync_free is not None:
+            self.settle_device_step()  # the previous step, decided on the device: reported before this update
         positional = len(args) > 1  # args[0] is the optimizer itself
         closure = args[1] if positional else kwargs.get("closure")
         if closure is None:
-            self._prepare_update(self.decide(grads_scaled=False))
+            self._prepare_update(self._check_step())
             return None
         if isinstance(optimizer, torch.optim.LBFGS):
             self._decision = None  # evaluates the closure many times per step: checked after the step only
@@ -239,7 +259,7 @@ class Guard:
         def run() -> Any:
             with torch.enable_grad():
                 result = closure()
-            self._prepare_update(self.decide(grads_scaled=False))
+            self._prepare_update(self._check_step())
             return result
 
         return run
@@ -260,6 +280,12 @@ class Guard:
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.closed:
+            return
+        if self._device_step:  # decided on the device: the host books it at the next step
+            self._device_step = False
+            assert self.sync_free is not None
+            self.sync_free.after_update()
+            self._next_step()
             return
         if self._decision is not None and not self._decision.block and self.update_check is not None:
             self._check_update(self._decision)
@@ -291,6 +317,91 @@ class Guard:
             decision.stashed = None
 
     # ------------------------------------------------------------ the decision
+    def _check_step(self) -> Decision | None:
+        """Decide this step: on the device when the sync-free mode can (``None`` then: the verdict
+        is with the optimizer), otherwise with the step's one host read."""
+        sf = self.sync_free
+        if sf is not None:
+            why = sf.why_sync(self.recorder.capture)
+            bounds = None
+            if why is None:
+                last = self.reporter.history[-1] if self.reporter.history else self._last_row
+                bounds = sf.bounds(finite_blocks=blocked_by_finite_anomalies(self.watched),
+                                   health_hint=(last["grad_norm"], last["param_norm"]) if last else (None, None))
+                if bounds is None:
+                    why = "the update could not be proven finite from the run's figures (checked after it instead)"
+            if bounds is not None:
+                grads, grad_index = gradients(self.watched.params)
+                with torch.no_grad():
+                    sf.stage(self.recorder.capture, bounds, grads=grads, grad_index=grad_index, lrs=self._lrs())
+                self._device_step = True
+                self._decision = None
+                return None
+            sf.note_sync(why or "")
+        return self.decide(grads_scaled=False)
+
+    def settle_device_step(self, *, stop: bool = True) -> Incident | None:
+        """Decide on the host the step the device decided (sync-free mode): read its figures (copied
+        long ago), then triage, report, localise and book it exactly as the synchronous mode would
+        have at its own step. Runs before the next update; a stopping action raises from there
+        (``stop=False``: recorded, not raised, as at ``close()``). Returns the step's incident."""
+        sf = self.sync_free
+        pending = sf.take() if sf is not None else None
+        if pending is None:
+            return None
+        local, device_block, shared = pending.values()
+        now = self.state.step
+        self.state.step = pending.step
+        live = self.recorder.swap(pending.capture)
+        raised = False
+        try:
+            with torch.no_grad():
+                decision = self.judge.conclude(
+                    self.watched, pending.capture, pending.staged, local, shared, pending.ranks, [], pending.grad_index,
+                    via_scaler=False, loaded_state=lambda finite: self.checkpoints.loaded_state_finding(self.step, finite),
+                    lrs=pending.lrs, history=self.reporter.history)
+            self._reconcile(decision, device_block, pending)
+            if decision.incident is not None:
+                try:
+                    self._report(decision.incident, decision)
+                except NonFiniteError:
+                    raised = True
+                    if stop:
+                        raise
+            if not raised:
+                if not decision.block and self.update_check is not None:
+                    self.update_check.account(grad=decision.health.grad_norm, param=decision.health.param_norm)
+                self._book(decision)
+            return decision.incident
+        finally:
+            self.state.step = now
+            self.recorder.swap(live)
+            if raised:
+                self.recorder.reset()  # the step in progress is abandoned with the exception
+
+    def _reconcile(self, decision: Decision, device_block: bool, pending: Any) -> None:
+        """Make the host's decision of a device-decided step say what happened to its update."""
+        if device_block == decision.block:
+            return
+        incident = decision.incident
+        if device_block and incident is None:  # withheld by the update bound: the one verdict the host has no twin of
+            from .diagnosis.patterns import explain
+
+            health, limit = decision.health, pending.bounds.update_limit
+            summary, fix = explain("gradient_explosion", detail=(
+                f"to a gradient norm of {health.grad_norm:.4g} (parameters {health.param_norm:.4g}), beyond "
+                f"{limit:.4g}, the largest for which the optimizer's update is proven finite"))
+            decision.incident = self.reporter.new(
+                kind="grad_explosion", phase="backward", cause="gradient_explosion", summary=summary, fix=fix,
+                action=Action.SKIPPED, details={"update_limit": limit, "grad_norm": health.grad_norm,
+                                                "param_norm": health.param_norm, "sync_free": "withheld on the device"})
+        elif incident is not None:
+            incident.details["sync_free_mismatch"] = (
+                "the device withheld this update" if device_block else "the update landed before the host read the step")
+            if device_block:
+                incident.action = Action.SKIPPED
+        decision.block = device_block
+
     def decide(self, *, grads_scaled: bool, via_scaler: bool = False) -> Decision:
         """Check the step (one host sync) and decide; an incident goes to the reporter."""
         decision = self.judge.decide(self.watched, self.recorder.capture, grads_scaled=grads_scaled,
@@ -371,6 +482,10 @@ class Guard:
     def finish_step(self, decision: Decision, *, raised: bool = False) -> None:
         """Book the step: the scaler's collapse check, the episode, the flight recorder, the store,
         the monitors; then start the next step."""
+        self._book(decision, raised=raised)
+        self._next_step()
+
+    def _book(self, decision: Decision, *, raised: bool = False) -> None:
         if self.reporter.data_pending:
             self.reporter.flush_data_issues()
         health = decision.health
@@ -403,6 +518,8 @@ class Guard:
                 )
             if self.monitors and not raised:
                 self._run_monitors(decision, applied=not skipped)
+
+    def _next_step(self) -> None:
         self.state.step += 1
         self.recorder.reset()
         self._decision = None
@@ -463,6 +580,8 @@ class Guard:
             return
         if self._pending_exception is not None:  # e.g. a try/finally that closes the guard as a failure propagates
             self.diagnose_exception(self._pending_exception)
+        if self.sync_free is not None:
+            self.settle_device_step(stop=False)  # the last step: recorded, never raised from close()
         if self.reporter.data_pending:
             self.reporter.flush_data_issues()
         self.state.closed = True

@@ -67,6 +67,12 @@ class StepRecorder:
         """Start the next step's capture."""
         self.capture = self._new_capture()
 
+    def swap(self, capture: StepCapture) -> StepCapture:
+        """Put ``capture`` in place of the step in progress and return the one it replaces (the
+        sync-free mode books a step one step late, from that step's own capture)."""
+        current, self.capture = self.capture, capture
+        return current
+
     @property
     def active(self) -> bool:
         """Something of the step was captured (a forward of the watched model or a ``replayable`` call)."""

@@ -30,7 +30,7 @@ import dataclasses
 import math
 from collections import deque
 
-__all__ = ["Divergence", "DivergenceDetector", "Growth", "GrowthTracker"]
+__all__ = ["Divergence", "DivergenceDetector", "DivergenceRanges", "Growth", "GrowthTracker"]
 
 _MIN_R2 = 0.8
 """An exponential must explain this much of the run's log-variance (a lone spike does not)."""
@@ -109,6 +109,35 @@ class GrowthTracker:
             self._flagged_from = growth.start_value
         return growth
 
+    def firing_ranges(self) -> list[tuple[float, float]]:
+        """The values ``v`` for which the next :meth:`update` reports a growth, as closed
+        intervals ``[lo, hi]`` (empty: no value can), computed from the state alone.
+
+        So the verdict on the next value can be reached where that value lives (on the device,
+        without reading it): ``update(step, v)`` returns a growth exactly when ``v`` lies in
+        one of the intervals (up to rounding at their ends). Each condition of :meth:`_judge`
+        is a bound on ``v``, except the fit, R² >= 0.8, which is a quadratic inequality in
+        ``log v`` (the slope's covariance is linear in it, the variance quadratic).
+        """
+        if self._flagged_from is not None:  # still diverged while above the pre-growth level
+            return [(self._flagged_from * math.sqrt(self.min_factor), math.inf)]
+        run = self._run
+        k = len(run)  # entries before the next value; it becomes increase number k
+        if k == 0 or k < max(2, self.min_steps - 1):
+            return []
+        v0 = run[0][1]
+        lows = [math.nextafter(run[-1][1], math.inf), v0 * self.min_factor]
+        if k < self.min_steps:
+            lows.append(v0 * self.min_factor ** 3)
+        if self._past:
+            lows.append(math.nextafter(max(v for _, v in self._past), math.inf))
+        sigma = self._noise()
+        if sigma is not None:
+            lows.append(v0 * math.exp(_NOISE_Z * sigma * math.sqrt(k)))
+        low = math.log(max(lows))
+        return [(math.exp(max(a, low)), math.exp(b)) for a, b in _r2_intervals([math.log(v) for _, v in run])
+                if b >= low]
+
     def _end_run(self) -> None:
         if self._flagged_from is None:
             self._past.extend(self._run)
@@ -155,6 +184,35 @@ class GrowthTracker:
         self._past = deque((tuple(p) for p in state["past"]), maxlen=self._past.maxlen)  # type: ignore[misc, union-attr]
         self._run = [tuple(p) for p in state["run"]]  # type: ignore[misc, union-attr]
         self._flagged_from = state["flagged_from"]  # type: ignore[assignment]
+
+
+def _r2_intervals(ys: list[float]) -> list[tuple[float, float]]:
+    """The values ``y`` for which ``_fit(ys + [y])`` has R² >= ``_MIN_R2``, as intervals.
+
+    With ``n = len(ys) + 1`` points at 0..n-1: ``sxy = A + b·y`` and
+    ``syy = Q + y² - (S + y)²/n``; R² >= c is ``sxy² - c·sxx·syy >= 0``, a quadratic in ``y``.
+    """
+    n = len(ys) + 1
+    mx = (n - 1) / 2
+    sxx = sum((i - mx) ** 2 for i in range(n))
+    a_lin = sum((i - mx) * y for i, y in enumerate(ys))
+    b = (n - 1) - mx
+    s, q = sum(ys), sum(y * y for y in ys)
+    c = _MIN_R2 * sxx
+    a2 = b * b - c * (1 - 1 / n)
+    a1 = 2 * a_lin * b + c * 2 * s / n
+    a0 = a_lin * a_lin - c * (q - s * s / n)
+    inf = math.inf
+    if a2 == 0:
+        if a1 == 0:
+            return [(-inf, inf)] if a0 >= 0 else []
+        root = -a0 / a1
+        return [(root, inf)] if a1 > 0 else [(-inf, root)]
+    disc = a1 * a1 - 4 * a2 * a0
+    if disc < 0:
+        return [(-inf, inf)] if a2 > 0 else []
+    r1, r2 = sorted(((-a1 - math.sqrt(disc)) / (2 * a2), (-a1 + math.sqrt(disc)) / (2 * a2)))
+    return [(-inf, r1), (r2, inf)] if a2 > 0 else [(r1, r2)]
 
 
 def _fit(ys: list[float]) -> tuple[float, float]:
@@ -228,6 +286,40 @@ class Divergence:
         return f"{lr_hint}; {clip}."
 
 
+@dataclasses.dataclass(frozen=True)
+class DivergenceRanges:
+    """The next step's divergence verdict as bounds on its values (:meth:`DivergenceDetector.firing_ranges`).
+
+    A divergence is reported when the loss lies in ``loss``, or the gradient norm lies in
+    ``grad`` and either the divergence is ``continuing`` or the loss is at least
+    ``loss_not_falling_from`` (the gradient norm alone counts only while the loss is not falling).
+    """
+
+    loss: list[tuple[float, float]]
+    grad: list[tuple[float, float]]
+    continuing: bool
+    loss_not_falling_from: float
+    """For a loss the tracker records (finite, > 0): "not falling" from this value on."""
+    loss_not_falling_unrecorded: bool
+    """For a loss it does not record (none seen, <= 0): whether the history alone says "not falling"."""
+
+    def fires(self, loss: float | None, grad_norm: float | None) -> bool:
+        """The verdict for these values (the host-side twin of the device check)."""
+        if _inside(loss, self.loss):
+            return True
+        if not _inside(grad_norm, self.grad):
+            return False
+        if self.continuing:
+            return True
+        if loss is not None and math.isfinite(loss) and loss > 0:
+            return loss >= self.loss_not_falling_from
+        return self.loss_not_falling_unrecorded
+
+
+def _inside(v: float | None, ranges: list[tuple[float, float]]) -> bool:
+    return v is not None and math.isfinite(v) and v > 0 and any(lo <= v <= hi for lo, hi in ranges)
+
+
 class DivergenceDetector:
     """Loss and gradient-norm growth, judged together, with the learning rate as evidence."""
 
@@ -268,6 +360,20 @@ class DivergenceDetector:
                           lr=lr if lr is not None and math.isfinite(lr) else None,
                           lr_at_start=self._lr_at(lead.since_step), lr_trend=self._lr_trend(),
                           norm_before=self.grad.value_at(lead.since_step))
+
+    def firing_ranges(self) -> "DivergenceRanges":
+        """Where the next :meth:`update` reports a divergence, as bounds on its loss and
+        gradient norm (see :class:`DivergenceRanges`), from the state alone."""
+        prior = [v for _, v in self.loss._past] + ([] if self.loss.diverged else [v for _, v in self.loss._run])
+        unrecorded = False  # a loss the tracker does not record (None, <= 0): judged on the history as it is
+        if len(prior) >= _NOISE_MIN_DIFFS:
+            recent = sorted(prior[-8:])
+            unrecorded = prior[-1] >= recent[len(recent) // 2]
+        # a recorded loss v: v >= upper median of (last 7 ∪ {v}) ⟺ v >= the 4th smallest of the last 7
+        recorded = sorted(prior[-7:])[3] if len(prior) + 1 >= _NOISE_MIN_DIFFS else math.inf
+        return DivergenceRanges(loss=self.loss.firing_ranges(), grad=self.grad.firing_ranges(),
+                                continuing=self._cause is not None, loss_not_falling_from=recorded,
+                                loss_not_falling_unrecorded=unrecorded)
 
     def evidence(self) -> dict[str, object] | None:
         """While diverged: what a later incident (the overflow it ends in) should know about it."""

@@ -49,15 +49,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-tensor L2 norms in float32, grouped by device (foreach kernels need one device)."""
+def _norms(tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Per-tensor L2 norms accumulated in ``dtype`` (float32 unless asked), grouped by device
+    (foreach kernels need one device)."""
     if not tensors:
         return []
     tensors = [local(t) for t in tensors]
     try:
-        return list(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
+        return list(torch._foreach_norm(list(tensors), 2, dtype=dtype))
     except (RuntimeError, TypeError):
-        return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+        return [torch.linalg.vector_norm(t, dtype=dtype) for t in tensors]
 
 
 @dataclasses.dataclass
@@ -76,6 +77,8 @@ class StagedHealth:
     grads_scaled: bool
     grad_norms: list[torch.Tensor]
     param_norms: list[torch.Tensor]
+    exact: bool = False
+    """Norms accumulated in float64: a non-finite norm means a non-finite element (no recount)."""
 
     @property
     def loss(self) -> torch.Tensor:
@@ -120,12 +123,16 @@ def stage(
     local_grads_ok: torch.Tensor | None = None,
     scale: torch.Tensor | None,
     grads_scaled: bool,
+    accumulate: torch.dtype = torch.float32,
 ) -> StagedHealth:
-    """Reduce the step's tensors to one device vector (no host read)."""
+    """Reduce the step's tensors to one device vector (no host read). ``accumulate=torch.float64``
+    makes the norms exact about finiteness (float16/bfloat16/float32 elements cannot overflow a
+    float64 sum of squares), for a verdict that must be final on the device (``sync_free.py``)."""
     device = _pick_device(grads, params, losses)
     nan, one = _constants(device)
-    gn = _norms(grads)
-    pn = _norms(params)
+    exact = accumulate == torch.float64 and device.type != "mps"
+    gn = _norms(grads, torch.float64 if exact else torch.float32)
+    pn = _norms(params, torch.float64 if exact else torch.float32)
     gvec = _stack_on(gn, device)
     pvec = _stack_on(pn, device)
     head = [
@@ -137,8 +144,10 @@ def stage(
         local_grads_ok.to(device, torch.float32) if local_grads_ok is not None else one,
         scale.detach().to(device, torch.float32).reshape(()) if scale is not None else nan,
     ]
+    if exact:
+        head = [h.to(torch.float64) for h in head]
     vec = torch.cat([torch.stack(head)] + [v for v in (gvec, pvec) if v is not None])
-    return StagedHealth(vec, grads, params, bool(losses), grads_scaled, gn, pn)
+    return StagedHealth(vec, grads, params, bool(losses), grads_scaled, gn, pn, exact=exact)
 
 
 def read(staged: StagedHealth, extra: torch.Tensor | None = None) -> tuple[list[float], Any]:
@@ -170,10 +179,10 @@ def finish(staged: StagedHealth, host: list[float]) -> StepHealth:
     scale_value = sc if not math.isnan(sc) else None
     # A float32 norm can overflow while every element is finite (large gradients, or a
     # GradScaler's factor): only on that rare path, check exactly and recount in float64.
-    if gn and not math.isfinite(gnorm) and _exactly_finite(grads):
+    if gn and not staged.exact and not math.isfinite(gnorm) and _exactly_finite(grads):
         grad_norms = [float(n) for n in _norms64(grads)]
         gnorm = math.sqrt(sum(n * n for n in grad_norms))
-    if pn and not math.isfinite(pnorm) and _exactly_finite(params):
+    if pn and not staged.exact and not math.isfinite(pnorm) and _exactly_finite(params):
         param_norms = [float(n) for n in _norms64(params)]
         pnorm = math.sqrt(sum(n * n for n in param_norms))
     if staged.grads_scaled and scale_value and gn:

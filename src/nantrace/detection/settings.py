@@ -74,6 +74,14 @@ class DetectionConfig(SettingsGroup):
     divergence_factor: float = 4.0
     """A divergence must have grown at least this factor over those steps."""
 
+    sync_free: bool | str = "auto"
+    """Decide each step on the device, with no host read (docs/sync_free.md): the verdict goes to a
+    fused optimizer as ``found_inf`` (the way ``GradScaler`` skips a step) and the host reads the
+    step's figures at the next step, then reports and localises it. The weights are those of the
+    synchronous mode, bit for bit. ``"auto"`` (default): on wherever it is exact (a fused
+    optimizer, no GradScaler, no rollback, no FSDP2); ``True``: required (an error says why a
+    set-up cannot have it); ``False``: always the synchronous read."""
+
     scaler_max_skips: int = 20
     """Consecutive GradScaler-skipped steps, *after* the scaler has found its level (trained at some
     scale), after which ``scaler_collapse`` is reported. The calibration from any ``init_scale``
@@ -88,6 +96,8 @@ class DetectionConfig(SettingsGroup):
 
     def __post_init__(self) -> None:
         check_bools(self)
+        if self.sync_free not in (True, False, "auto") or isinstance(self.sync_free, int) and not isinstance(self.sync_free, bool):
+            raise ValueError(f"Config.detection.sync_free must be True, False or 'auto', got {self.sync_free!r}")
         check_int(self, "spike_window", minimum=24)
         check_int(self, "spike_warmup", minimum=24)
         check_int(self, "scaler_max_skips", minimum=1)

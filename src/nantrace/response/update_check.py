@@ -139,6 +139,32 @@ class UpdateCheck:
             torch._foreach_copy_(self._copies, self._sources)
         self._armed = True
 
+    # ------------------------------------------------------------------ sync-free mode
+    def proven(self, *, grad: float, param: float) -> bool:
+        """Every group's update is proven finite for gradient and parameter norms up to these
+        (the bounds are monotone in both), from the state bound as it is now."""
+        if not self.enabled:
+            return True
+        state_bound = self.bound.value
+        return all(update_risk(self.optimizer, group, grad=grad, param=param, state=state_bound) is None
+                   for group in self.optimizer.param_groups)
+
+    def proof_key(self) -> tuple[Any, ...]:
+        """What :meth:`proven` depends on besides the norms (a cache key)."""
+        return (self.bound.value, tuple((id(g), str(g.get("lr")), str(g.get("weight_decay")), len(g["params"]))
+                                        for g in self.optimizer.param_groups))
+
+    def account(self, *, grad: float | None, param: float | None) -> None:
+        """An update proven finite beforehand has landed (decided on the device): advance the state
+        bound exactly as :meth:`after_update` does for proven groups, with the step's own figures."""
+        if not self.enabled or grad is None or param is None:
+            return
+        state_bound = self.bound.value
+        for group in self.optimizer.param_groups:
+            state_bound = next_state_bound(self.optimizer, group, grad=grad, param=param, state=state_bound or 0.0)
+        self.bound.value = state_bound
+        self.finite_after_update = True
+
     def _save(self, p: torch.Tensor) -> None:
         state = self.optimizer.state.get(p)
         saved = _Saved(p, self._index.get(id(p), -1), None if state is None else dict(state))

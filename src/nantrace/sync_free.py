@@ -1,0 +1,300 @@
+"""The sync-free step: the verdict on a step stays on the device; the host learns it one step later.
+
+In the default (synchronous) mode the guard reads the step's figures once, decides on the host,
+and sets the gradients aside when the update must not land. On an accelerator that one read
+drains the launch queue every step. With a *fused* optimizer (``torch.optim.Adam``/``AdamW``/
+``SGD``/``Adagrad`` with ``fused=True``) there is another way, the one ``GradScaler`` uses: the
+optimizer accepts a device tensor ``found_inf`` and skips its own update, step counters
+included, when it is non-zero, without anything being read.
+
+So in sync-free mode, at step *t*:
+
+1. the step's figures are reduced on the device as usual (norms accumulated in float64, so a
+   non-finite norm means a non-finite element: no recount is ever needed);
+2. the verdict the synchronous mode would reach is computed on the device from them: every
+   non-finite fact, and every finite anomaly that blocks under the policy, judged against
+   bounds the host computed *before* the step from the run's history (the spike detectors'
+   thresholds, the divergence detector's firing ranges, the largest gradient and parameter
+   norms for which the optimizer's update is proven finite); under DDP the verdicts of all
+   ranks are combined by the step's all-reduce;
+3. the verdict goes to the optimizer as ``found_inf``, and the figures start their copy to the
+   host (pinned memory, non-blocking);
+4. at step *t + 1*, before its update (or at ``close()``), the host reads that copy, which
+   the device finished long ago, and does everything the synchronous mode does for step *t*:
+   triage, incident, localisation (the parameters are still those step *t* started from, since
+   its update was skipped), bundle, escalation, store, monitors, the detectors' history. A
+   stopping action (``raise``, ``pause``, the escalation ladder) raises from the optimizer step
+   of *t + 1*, before its update lands.
+
+The weights are those of the synchronous mode, bit for bit: the same verdicts (the bounds are
+those the host would have used, and the host checks each device verdict against its own when
+it reads it, recording any disagreement) applied to the same updates. Zero host reads per step.
+
+A step that cannot be decided this way runs synchronously (:meth:`SyncFree.why_sync`): the
+first step of the guard (until an update has landed), fp16 autocast when the precision
+fallback is on, an update that cannot be proven finite from the bounds. A set-up where the
+mode can never be exact is refused by :func:`ineligible` (and ``"auto"`` does not use it).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .capture import StepCapture
+from .detection.divergence import DivergenceRanges
+from .detection.sentinel import StagedHealth, stage
+from .dynamics._readback import DeferredRead
+from .taxonomy import Action
+
+if TYPE_CHECKING:
+    from .decision import StepJudge
+    from .distributed import StepRound
+    from .response.update_check import UpdateCheck
+    from .watched import Watched
+
+__all__ = ["Bounds", "PendingStep", "SyncFree", "device_verdict", "ineligible"]
+
+
+def ineligible(watched: "Watched", *, scaler: Any, policy: str, skip_snapshots: bool) -> str | None:
+    """Why the sync-free mode cannot give the synchronous mode's weights here (``None``: it can)."""
+    opt = watched.optimizer
+    if opt is None:
+        return "there is no optimizer to hand the verdict to"
+    if isinstance(opt, torch.optim.LBFGS):
+        return "LBFGS evaluates its closure many times per step"
+    groups = opt.param_groups
+    if not getattr(opt, "_step_supports_amp_scaling", False) or not groups or not all(g.get("fused") for g in groups):
+        return (f"{type(opt).__name__} is not a fused optimizer: only fused ones (torch.optim.Adam, AdamW, SGD or "
+                "Adagrad with fused=True) can skip an update on a device verdict (found_inf)")
+    if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
+        return "a GradScaler already hands the optimizer its own found_inf"
+    if policy == "rollback" or skip_snapshots:
+        return "a rollback restores a state the next step's gradients were not computed from"
+    if watched.sharded:
+        return "FSDP2 gradient shards are judged by a round that still needs the host"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """What the host decided before the step, for the device to judge it by."""
+
+    loss_threshold: float
+    """A finite loss above this is a spike (``inf``: none can be)."""
+    grad_threshold: float
+    """A finite gradient norm above this is an explosion."""
+    divergence: DivergenceRanges | None
+    finite_blocks: bool
+    """A finite anomaly (spike, explosion, divergence) stops the update under the policy."""
+    update_limit: float
+    """Gradient and parameter norms up to which the optimizer's update is proven finite (``inf``: unchecked)."""
+
+
+def device_verdict(staged: StagedHealth, bounds: Bounds) -> torch.Tensor:
+    """The synchronous mode's "block this update", computed on the device (a 0-dim bool).
+
+    Non-finite inputs, loss, gradients or parameters always block; a finite anomaly blocks when
+    the policy says so; a step whose norms exceed the bound the update is proven finite for is
+    withheld (the synchronous mode would copy the state, update and check it; see the module doc).
+    """
+    v = staged.vector
+    loss, g, p = v[0], v[1], v[2]
+    block = v[3] < 1  # inputs not all finite
+    if staged.has_loss:
+        block = block | ~torch.isfinite(loss)
+    if staged.grad_norms:
+        block = block | ~torch.isfinite(g)
+    if staged.param_norms:
+        block = block | ~torch.isfinite(p)
+    if bounds.finite_blocks:
+        if staged.has_loss and math.isfinite(bounds.loss_threshold):
+            block = block | (loss > bounds.loss_threshold)
+        if staged.grad_norms and math.isfinite(bounds.grad_threshold):
+            block = block | (g > bounds.grad_threshold)
+        if bounds.divergence is not None:
+            block = block | _diverges(loss if staged.has_loss else None, g if staged.grad_norms else None, bounds.divergence)
+    if math.isfinite(bounds.update_limit):
+        if staged.grad_norms:
+            block = block | (g > bounds.update_limit)
+        if staged.param_norms:
+            block = block | (p > bounds.update_limit)
+    return block
+
+
+def _inside(v: torch.Tensor, ranges: list[tuple[float, float]]) -> torch.Tensor | None:
+    out = None
+    for lo, hi in ranges:
+        hit = (v >= lo) & (v <= hi) if math.isfinite(hi) else v >= lo
+        out = hit if out is None else out | hit
+    return out
+
+
+def _diverges(loss: torch.Tensor | None, g: torch.Tensor | None, r: DivergenceRanges) -> torch.Tensor | bool:
+    """:meth:`DivergenceRanges.fires` on device values (the ranges only hold positive, finite values)."""
+    hit: torch.Tensor | bool = False
+    if loss is not None and r.loss:
+        inside = _inside(loss, r.loss)
+        if inside is not None:
+            hit = inside
+    if g is None or not r.grad:
+        return hit
+    grad_hit = _inside(g, r.grad)
+    if grad_hit is None:
+        return hit
+    if not r.continuing:
+        if loss is not None:
+            recorded = torch.isfinite(loss) & (loss > 0)
+            not_falling = torch.where(recorded, loss >= r.loss_not_falling_from,
+                                      torch.full_like(recorded, r.loss_not_falling_unrecorded))
+        else:
+            not_falling = r.loss_not_falling_unrecorded
+        grad_hit = grad_hit & not_falling
+    return hit | grad_hit
+
+
+@dataclasses.dataclass(eq=False)
+class PendingStep:
+    """A step decided on the device, waiting for the host to read it at the next step."""
+
+    step: int
+    staged: StagedHealth
+    """The step's figures on the device (its gradient and parameter lists already dropped)."""
+    grad_index: list[int]
+    capture: StepCapture
+    """What was captured of the step (inputs, RNG, the loss code's tape), for a replay."""
+    ranks: "StepRound | None"
+    read: DeferredRead
+    bounds: Bounds
+    lrs: list[float]
+
+    def values(self) -> tuple[list[float], bool, np.ndarray | None]:
+        """(the staged figures, the device's verdict, the all-reduced agreement vector)."""
+        host = self.read.get()
+        n = self.staged.vector.numel()
+        shared = np.asarray(host[n + 1:], dtype=np.float64) if self.ranks is not None else None
+        return host[:n], host[n] != 0.0, shared
+
+
+class SyncFree:
+    """Stages each step's verdict on the device and hands back the previous step to decide on the host."""
+
+    def __init__(self, watched: "Watched", judge: "StepJudge", update_check: "UpdateCheck | None") -> None:
+        self.watched = watched
+        self.judge = judge
+        self.update_check = update_check
+        self.pending: PendingStep | None = None
+        self.steps = 0
+        """Steps decided on the device so far."""
+        self.sync_steps: dict[str, int] = {}
+        """Steps that ran synchronously, by reason."""
+        self._limit_cache: tuple[Any, float] | None = None
+
+    # ------------------------------------------------------------------ per step
+    def why_sync(self, capture: StepCapture) -> str | None:
+        """Why this step must be decided on the host (``None``: it can be decided on the device)."""
+        if self.judge.last_applied is None:
+            return "no update has landed yet (the optimizer state is made by the first one)"
+        cfg = self.watched.config
+        if cfg.response.precision_fallback_after and any(
+                (f.autocast.cuda_enabled and f.autocast.cuda_dtype == torch.float16)
+                or (f.autocast.cpu_enabled and f.autocast.cpu_dtype == torch.float16) for f in capture.forwards):
+            return "float16 autocast with the precision fallback on (a fallback must act before the next forward)"
+        return None
+
+    def note_sync(self, reason: str) -> None:
+        self.sync_steps[reason] = self.sync_steps.get(reason, 0) + 1
+
+    def bounds(self, *, finite_blocks: bool, health_hint: tuple[float | None, float | None]) -> Bounds | None:
+        """The bounds for this step (``None``: the update cannot be proven finite; decide on the host)."""
+        det = self.watched.config.detection
+        limit = math.inf
+        if self.update_check is not None and self.update_check.enabled:
+            limit = self._update_limit(health_hint)
+            if limit is None:
+                return None
+        return Bounds(
+            loss_threshold=self.judge.loss_spikes.threshold() if det.detect_loss_spikes else math.inf,
+            grad_threshold=self.judge.grad_spikes.threshold() if det.detect_grad_explosion else math.inf,
+            divergence=self.judge.divergence.firing_ranges() if det.detect_divergence else None,
+            finite_blocks=finite_blocks,
+            update_limit=limit,
+        )
+
+    def _update_limit(self, hint: tuple[float | None, float | None]) -> float | None:
+        """The largest norm X (a power of two) such that the update is proven finite with gradient
+        and parameter norms up to X, searched down from well above the last step's figures."""
+        assert self.update_check is not None
+        floor = max((abs(h) for h in hint if h is not None and math.isfinite(h)), default=1.0)
+        key = (self.update_check.proof_key(), floor)
+        if self._limit_cache is not None and self._limit_cache[0] == key:
+            return self._limit_cache[1]
+        x = 2.0 ** math.ceil(math.log2(max(floor, 1e-30)) + 12)  # 4096× the last figures
+        limit = None
+        while x >= floor:
+            if self.update_check.proven(grad=x, param=x):
+                limit = x
+                break
+            x /= 2.0
+        self._limit_cache = (key, limit) if limit is not None else None
+        return limit
+
+    def stage(self, capture: StepCapture, bounds: Bounds, *, grads: list[torch.Tensor], grad_index: list[int],
+              lrs: list[float]) -> PendingStep:
+        """Reduce the step, judge it on the device, hand the verdict to the optimizer and start the copy."""
+        from .distributed import StepRound
+
+        watched = self.watched
+        cfg = watched.config.detection
+        staged = stage(
+            grads=grads, params=watched.params if cfg.check_params else [],
+            losses=capture.losses + [c.loss for c in capture.calls if c.loss is not None and not capture.losses],
+            inputs_ok=capture.inputs_ok, outputs_ok=capture.outputs_ok, local_grads_ok=capture.local_grads_ok,
+            scale=None, grads_scaled=False, accumulate=torch.float64,
+        )
+        block = device_verdict(staged, bounds)
+        ranks = None
+        if watched.world_size > 1:
+            ranks = StepRound(watched, self.judge, staged, grad_index, device_block=block)
+            block = ranks.any_block()
+        found_inf = block.to(torch.float32)
+        watched.optimizer.found_inf = found_inf  # type: ignore[union-attr]  # read by the fused kernel
+        parts = [staged.vector.to(torch.float64), found_inf.to(staged.vector.device, torch.float64).reshape(1)]
+        if ranks is not None:
+            parts.append(ranks.vector.to(staged.vector.device, torch.float64))
+        read = DeferredRead(torch.cat(parts))
+        kept = dataclasses.replace(staged, grads=[], params=[])  # hold no gradient beyond its step
+        frozen = copy.copy(capture)
+        if capture.tape is not None:
+            frozen.tape = copy.copy(capture.tape)  # the live tape is reset for the next step
+        self.pending = PendingStep(watched.step, kept, grad_index, frozen, ranks, read, bounds, lrs)
+        self.steps += 1
+        return self.pending
+
+    def after_update(self) -> None:
+        """Take the verdict back from the optimizer (anything else stepping it sees no found_inf)."""
+        opt = self.watched.optimizer
+        if opt is not None and hasattr(opt, "found_inf"):
+            del opt.found_inf
+
+    def take(self) -> PendingStep | None:
+        """The step waiting to be decided on the host, if any (handed over once)."""
+        pending, self.pending = self.pending, None
+        return pending
+
+    def summary(self) -> dict[str, Any]:
+        return {"device_steps": self.steps, "host_steps": dict(self.sync_steps)}
+
+
+def blocked_by_finite_anomalies(watched: "Watched") -> bool:
+    """A finite anomaly (spike, explosion, divergence) stops the update under this guard's policy."""
+    from .diagnosis.triage import Finding
+    from .response.policies import action_for
+
+    probe = Finding(0, "loss_spike", None, "loss_divergence", None, "", "")
+    return action_for(watched.policy, probe, finite_trouble=True, config=watched.config) != Action.LOGGED

@@ -1,0 +1,68 @@
+"""Run by tests/test_sync_free.py under torchrun (2 processes, gloo, CPU): DDP training with a
+fused AdamW, once synchronous and once sync-free, a NaN in rank 1's batch at step 5 only."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nantrace
+from nantrace.testing.host_reads import HostReadCounter
+
+
+def train(sync_free: bool, rank: int, run_dir: str) -> dict:
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    cfg = nantrace.Config(outputs={"print_incidents": False}, detection={"sync_free": sync_free})
+    guard = nantrace.watch(model, opt, run_dir=run_dir, config=cfg)
+    gen = torch.Generator().manual_seed(100 + rank)
+    reads = []
+    with HostReadCounter() as counter:
+        for step in range(12):
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+            if step == 5 and rank == 1:
+                x[2, 3] = float("nan")
+            counter.reset()
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            reads.append(len([e for e in counter.events if e.where.startswith("nantrace" + os.sep)]))
+    guard.close()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    return {
+        "incidents": [[i.step, i.kind, i.rank, str(i.action), i.cause] for i in guard.incidents],
+        "reads": reads,
+        "replicas_equal": bool(torch.equal(gathered[0], gathered[1])),
+        "weights": flat.tolist(),
+        "device_steps": guard.sync_free.steps if guard.sync_free is not None else 0,
+    }
+
+
+def main(scenario: str, policy: str, out_dir: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result = {"sync": train(False, rank, os.path.join(out_dir, "sync")),
+              "free": train(True, rank, os.path.join(out_dir, "free"))}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # see ddp_script.py: gloo's threads may abort a rank during interpreter finalisation

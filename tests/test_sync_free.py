@@ -1,0 +1,290 @@
+"""The sync-free mode (nantrace/sync_free.py): each step decided on the device, handed to a fused
+optimizer as ``found_inf``, read by the host one step later. Asserted against the synchronous
+mode run on the same data: the same weights and optimizer state bit for bit, the same incidents
+(step, kind, cause, op, module, action), the same exceptions before the same update; zero host
+reads per step in the steady state; a clear refusal where the mode cannot be exact."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nantrace
+from nantrace.detection.divergence import DivergenceDetector
+from nantrace.testing.host_reads import HostReadCounter
+
+SENTINEL = "tolist@nantrace/detection/sentinel.py"
+
+
+class TinyGPT(nn.Module):
+    """Token embedding, one pre-norm attention block, a head: the shape of a small GPT."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(8, dim))
+        self.block = nn.TransformerEncoderLayer(dim, 2, 32, dropout=0.1, batch_first=True, norm_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        return self.head(self.block(self.emb(ids) + self.pos[: ids.shape[1]], src_mask=mask, is_causal=True))
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 1))
+
+
+# scenario -> (model, policy, steps, what goes wrong)
+SCENARIOS = {
+    "nan_input": ("mlp", "skip", 40),
+    "loss_code_log_of_negative": ("mlp", "skip", 40),
+    "backward_sqrt_at_zero": ("mlp", "skip", 40),
+    "loss_spike": ("mlp", "skip", 60),
+    "divergence": ("mlp", "skip", 50),
+    "gpt_nan_logits": ("gpt", "skip", 30),
+    "raise_policy": ("mlp", "raise", 40),
+    "ladder_pauses": ("mlp", "skip", 40),
+    "param_written_between_steps": ("mlp", "skip", 40),
+    "healthy": ("gpt", "skip", 30),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _train(scenario: str, sync_free: bool) -> dict:
+    """One run of the scenario (cached: the tests below only read the result)."""
+    kind, policy, steps = SCENARIOS[scenario]
+    torch.manual_seed(0)
+    model = TinyGPT() if kind == "gpt" else _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    cfg = nantrace.Config(outputs={"print_incidents": False}, detection={"sync_free": sync_free})
+    guard = nantrace.watch(model, opt, config=cfg, on_anomaly=policy)
+    gen = torch.Generator().manual_seed(1)
+    raised_at = None
+    for step in range(steps):
+        if kind == "gpt":
+            x = torch.randint(0, 32, (4, 8), generator=gen)
+            y = torch.roll(x, -1, 1)
+        else:
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+        if scenario in ("nan_input", "raise_policy") and step in (7, 20):
+            x[3, 2] = float("nan")
+        if scenario == "ladder_pauses" and 10 <= step < 18:
+            x[0, 0] = float("nan")
+        if scenario == "loss_spike" and step == 45:
+            y = y * 1000
+        if scenario == "divergence" and step >= 36:
+            y = y * 6.0 ** (step - 35)
+        if scenario == "param_written_between_steps" and step == 15:
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("inf")
+        opt.zero_grad()
+        try:
+            out = model(x)
+            if kind == "gpt":
+                logits = out.float()
+                if scenario == "gpt_nan_logits" and step == 12:
+                    logits = logits / (logits - logits)  # 0/0 in the loss code
+                loss = F.cross_entropy(logits.reshape(-1, 32), y.reshape(-1))
+            elif scenario == "loss_code_log_of_negative":
+                margin = out - 10.0 if step == 9 else out.abs() + 10.0  # negative only at step 9
+                loss = F.mse_loss(out, y) + 1e-3 * torch.log(margin).mean()
+            elif scenario == "backward_sqrt_at_zero":
+                z = (out * 0).sum() if step == 12 else out.pow(2).mean()
+                loss = F.mse_loss(out, y) + 0.0 * torch.sqrt(z)
+            else:
+                loss = F.mse_loss(out, y)
+            loss.backward()
+            opt.step()
+        except nantrace.NonFiniteError:
+            raised_at = step
+            break
+    guard.close()
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "opt": copy.deepcopy(opt.state_dict()["state"]),
+        "incidents": [(i.step, i.kind, i.cause, i.op, i.module, i.action) for i in guard.incidents],
+        "raised_at": raised_at,
+        "device_steps": guard.sync_free.steps if guard.sync_free is not None else 0,
+        "mismatch": [i.details.get("sync_free_mismatch") for i in guard.incidents if "sync_free_mismatch" in i.details],
+    }
+
+
+def _same_tensors(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            if not _same_tensors(x, y):
+                return False
+        elif isinstance(x, torch.Tensor):
+            if not (x.shape == y.shape and torch.equal(torch.nan_to_num(x, 7.0, 8.0, -8.0), torch.nan_to_num(y, 7.0, 8.0, -8.0))):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_sync_free_gives_the_synchronous_weights_and_incidents(scenario):
+    sync = _train(scenario, sync_free=False)
+    free = _train(scenario, sync_free=True)
+    assert free["device_steps"] >= 0.8 * SCENARIOS[scenario][2] if free["raised_at"] is None else free["device_steps"] > 5
+    assert free["mismatch"] == []
+    assert free["incidents"] == sync["incidents"]
+    assert _same_tensors(free["state"], sync["state"]) and _same_tensors(free["opt"], sync["opt"])
+    if scenario == "healthy":
+        assert sync["incidents"] == []
+    else:
+        assert sync["incidents"], "the scenario must produce an incident"
+    # a stopping action raises one step later, before that step's update lands
+    assert free["raised_at"] == (None if sync["raised_at"] is None else sync["raised_at"] + 1)
+
+
+@pytest.mark.parametrize("scenario, first", [
+    ("nan_input", (7, "nonfinite_input", "nonfinite_input", None, None, "skipped")),
+    ("loss_code_log_of_negative", (9, "nonfinite_loss", "log_nonpositive", "aten.log.default", None, "skipped")),
+    ("backward_sqrt_at_zero", (12, "nonfinite_grad", "grad_singularity", "aten.sqrt.default", None, "skipped")),
+    ("gpt_nan_logits", (12, "nonfinite_loss", "div_by_zero", "aten.div.Tensor", None, "skipped")),
+    ("loss_spike", (45, "loss_spike", "loss_divergence", None, None, "skipped")),
+    ("divergence", (36, "loss_spike", "loss_divergence", None, None, "skipped")),
+    ("raise_policy", (7, "nonfinite_input", "nonfinite_input", None, None, "raised")),
+    ("ladder_pauses", (10, "nonfinite_input", "nonfinite_input", None, None, "skipped")),
+    ("param_written_between_steps", (15, "nonfinite_param", "nonfinite_param", None, "0", "raised")),
+])
+def test_the_scenarios_are_diagnosed_as_designed(scenario, first):
+    """The incidents both modes agree on are the right ones (not only the same ones): found one
+    step late, the sync-free step is still localised (op, cause) from what was kept of it."""
+    assert _train(scenario, sync_free=True)["incidents"][0] == first
+    if scenario == "ladder_pauses":  # the escalation ladder stops the run after 5 skips in a row
+        assert _train(scenario, sync_free=True)["incidents"][1][::5] == (15, "paused")
+
+
+def test_zero_host_reads_per_step_in_the_steady_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
+    assert guard.sync_free is not None  # "auto": a fused optimizer, no scaler, no rollback
+    gen = torch.Generator().manual_seed(1)
+    ours = []
+    with HostReadCounter() as reads:
+        for _ in range(60):  # covers every sampled statistic of the default preset
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+            reads.reset()
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            ours.append([f"{e.how}@{e.where.rsplit(':', 1)[0]}" for e in reads.events])
+    guard.close()
+    # the first step is read (no update has landed yet); every later one is decided on the device
+    assert ours == [[SENTINEL]] + [[]] * 59
+    assert guard.sync_free.summary() == {"device_steps": 59, "host_steps": {
+        "no update has landed yet (the optimizer state is made by the first one)": 1}}
+    assert guard.step == 60 and guard.last_step["step"] == 59 and guard.incidents == []
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda m: dict(optimizer=torch.optim.AdamW(m.parameters())), "is not a fused optimizer"),
+    (lambda m: dict(optimizer=torch.optim.SGD(m.parameters(), lr=0.1, foreach=True)), "is not a fused optimizer"),
+    (lambda m: dict(optimizer=torch.optim.AdamW(m.parameters(), fused=True), on_anomaly="rollback"), "rollback"),
+    (lambda m: dict(optimizer=torch.optim.AdamW(m.parameters(), fused=True),
+                    scaler=torch.amp.GradScaler("cpu")), "GradScaler"),
+])
+def test_sync_free_true_is_refused_clearly_where_it_cannot_be_exact(make, why):
+    from nantrace import patches
+
+    model = _mlp()
+    kwargs = make(model)
+    before = patches.installed()
+    cfg = nantrace.Config(outputs={"print_incidents": False}, detection={"sync_free": True})
+    with pytest.raises(ValueError, match=why):
+        nantrace.watch(model, config=cfg, **kwargs)
+    assert patches.installed() == before and not model._forward_hooks and not model._forward_pre_hooks
+    # "auto" simply keeps the synchronous check there
+    cfg = nantrace.Config(outputs={"print_incidents": False}, detection={"sync_free": "auto"})
+    guard = nantrace.watch(model, config=cfg, **kwargs)
+    assert guard.sync_free is None
+    guard.close()
+
+
+def test_an_incident_found_at_the_last_step_is_recorded_at_close():
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    guard = nantrace.watch(model, opt, on_anomaly="raise", config=nantrace.Config(outputs={"print_incidents": False}))
+    for step in range(5):
+        x = torch.randn(4, 8)
+        if step == 4:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        F.mse_loss(model(x), torch.zeros(4, 1)).backward()
+        opt.step()  # step 4 is skipped on the device; the host learns it only at close()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    guard.close()  # records, never raises
+    [incident] = guard.incidents
+    assert (incident.step, incident.kind, incident.action) == (4, "nonfinite_input", "raised")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+
+
+def test_divergence_firing_ranges_agree_with_the_detector_itself():
+    """The fast mechanism (bounds computed from the state) against the slow reference (a copy of
+    the detector fed the value): every verdict the same on random runs that grow, fluctuate and spike."""
+    rnd = random.Random(0)
+    agree = fired = 0
+    for _ in range(120):
+        det = DivergenceDetector(min_steps=4, min_factor=4.0)
+        mode = rnd.choice(["noise", "grow", "growgrad", "spiky"])
+        loss, g = 2.0, 1.0
+        for step in range(100):
+            if mode == "grow" and step > rnd.randint(10, 60):
+                loss *= rnd.uniform(0.9, 3)
+            elif mode == "growgrad" and step > 40:
+                g *= rnd.uniform(0.8, 3)
+                loss *= rnd.uniform(0.95, 1.1)
+            elif mode == "spiky":
+                loss = 2 * rnd.lognormvariate(0, 1)
+            else:
+                loss *= rnd.uniform(0.85, 1.15)
+                g *= rnd.uniform(0.8, 1.25)
+            ranges = det.firing_ranges()
+            for value_loss, value_g in ((loss, g), (loss * rnd.uniform(1, 50), g), (loss, g * rnd.uniform(1, 50)),
+                                        (None, g), (-1.0, g * rnd.uniform(1, 50)), (math.nan, g)):
+                reference = copy.deepcopy(det).update(step, value_loss, value_g, 1e-3) is not None
+                assert ranges.fires(value_loss, value_g) == reference, (mode, step, value_loss, value_g)
+                agree += 1
+                fired += reference
+            det.update(step, loss, g, 1e-3)
+    assert agree == 120 * 100 * 6 and fired > 5000  # the verdicts that fire are well represented
+
+
+def test_ddp_two_gloo_ranks_sync_free_matches_sync_with_zero_reads(tmp_path):
+    """A NaN in rank 1's batch only: every rank skips the same step on the device (the verdicts
+    are combined by the step's all-reduce), the incident names rank 1 on both ranks, the weights
+    equal the synchronous run's and each other's, and no step after the first reads the host."""
+    from pathlib import Path
+
+    from test_distributed import _torchrun
+
+    results = _torchrun(tmp_path, "sync_free", script=Path(__file__).with_name("sync_free_script.py"))
+    for res in results:
+        sync, free = res["sync"], res["free"]
+        assert free["device_steps"] == 11 and sync["device_steps"] == 0
+        assert free["replicas_equal"] and sync["replicas_equal"]
+        assert free["weights"] == sync["weights"]
+        assert free["incidents"] == sync["incidents"]
+        assert [i[:3] for i in free["incidents"]] == [[5, free["incidents"][0][1], 1]]
+        # healthy steps (the incident's own reads, bundle and localisation, come at step 5, or 6 when read late)
+        assert sync["reads"][:5] + sync["reads"][6:] == [1] * 11
+        assert free["reads"][:6] + free["reads"][7:] == [1] + [0] * 10
+    assert results[1]["free"]["incidents"][0][1] == "nonfinite_input"
+    assert results[0]["free"]["incidents"][0][1] == "nonfinite_grad"
