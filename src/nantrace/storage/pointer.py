@@ -40,6 +40,9 @@ POINTER_FILE = "pointer.json"
 POINTER_VERSION = 1
 VERSION_KEY = "nantrace_bundle_pointer"
 """The key holding the format version: also what marks a JSON file as a pointer."""
+FIELDS = ("step", "kind", "cause", "action", "incident_id", "writer_rank", "world_size", "origin_ranks", "holders",
+          "summary")
+"""The fields every pointer of format 1 holds (``figures`` and ``bundle_prefix`` are informative)."""
 
 
 @dataclasses.dataclass
@@ -61,8 +64,8 @@ class BundlePointer:
     figures: dict[str, Any] = dataclasses.field(default_factory=dict)
     """This rank's own figures of the step (loss, gradient norm, loss scale, non-finite counts)."""
     version: int = POINTER_VERSION
-    path: Path | None = None
-    """The pointer's directory (where it was read from or written); not stored."""
+    path: Path | None = dataclasses.field(default=None, compare=False)
+    """The pointer's directory (where it was read from or written); not stored, not compared."""
 
     @property
     def prefix(self) -> str:
@@ -87,6 +90,9 @@ class BundlePointer:
         if version > POINTER_VERSION:
             raise ValueError(f"{where} was written in pointer format {version}; this nantrace reads formats "
                              f"1..{POINTER_VERSION}: upgrade nantrace to follow it")
+        missing = [k for k in FIELDS if k not in data]
+        if missing:
+            raise ValueError(f"{where} is not a valid nantrace bundle pointer: missing {', '.join(missing)}")
         try:
             holders = {int(h["rank"]): str(h["incidents"]) for h in data["holders"]}
             pointer = cls(step=int(data["step"]), kind=str(data["kind"]), cause=str(data["cause"]),
