@@ -149,7 +149,9 @@ def test_a_pointer_whose_bundle_is_elsewhere_says_where_without_a_traceback(poin
     expected = os.path.join(str(tmp_path / "run" / "rank1" / "incidents"), "step000003-*")
     assert proc.stderr == (f"error: {str(pointer_dir)!r} is a pointer written by rank 0 for step 3 (nonfinite_grad): "
                            f"the full bundle is held by rank 1 and is not on this filesystem (rank 1: {expected}); "
-                           "replay it where that rank's run directory is, or copy its incidents directory there\n")
+                           "replay it where that rank's run directory is, or copy its incidents directory there (if "
+                           "it is not there either, that rank wrote none for this step: past "
+                           "Config.outputs.max_bundles, or a repeat of its episode's incident)\n")
 
 
 def test_a_local_loss_spike_on_one_rank_makes_every_rank_skip(tmp_path):

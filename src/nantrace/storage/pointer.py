@@ -216,7 +216,9 @@ def missing_message(pointer: BundlePointer) -> str:
     ranks = ", ".join(str(r) for r in pointer.holders)
     return (f"{str(pointer.path)!r} is a pointer written by rank {pointer.writer_rank} for step {pointer.step} "
             f"({pointer.kind}): the full bundle is held by rank {ranks} and is not on this filesystem ({where}); "
-            f"replay it where that rank's run directory is, or copy its incidents directory there")
+            f"replay it where that rank's run directory is, or copy its incidents directory there (if it is not "
+            f"there either, that rank wrote none for this step: past Config.outputs.max_bundles, or a repeat of "
+            f"its episode's incident)")
 
 
 def _env_step(bundle: Path) -> int | None:
