@@ -9,14 +9,18 @@ batch carries a NaN. Per rank and per step it records what is deterministic:
 - collectives issued by nantrace itself (``torch.distributed.all_reduce`` called from
   ``nantrace/distributed.py``: the step's agreement vector, or the rare-path rounds) and the
   bytes they carry (the gradients' own all-reduce or reduce-scatter is training's, not counted),
-- the run store's size (``nantrace.db`` and its WAL) and the incident bundles' size,
+- the run store's size (``nantrace.db`` and its WAL, SQLite pages) and, exactly, the bytes of
+  its incident rows; the incident bundles' size and whether each rank wrote a full bundle or a
+  pointer (``--bundle-ranks``: ``Config.outputs.bundle_ranks``, default: nantrace's own);
+- on rank 0, the size of ``nantrace report run_dir`` (the HTML file),
 
-and, as a rough indication only, the time spent in ``Guard._decide`` (this 2-core machine is
+and, as a rough indication only, the time spent in ``Guard.decide`` (this 2-core machine is
 shared: timings are not reproducible; counts and bytes are).
 
 Usage::
 
     python benchmarks/scale.py --world 2,4,8 --wrapper ddp,fsdp --json /tmp/scale.json
+    python benchmarks/scale.py --world 2,4,8 --wrapper ddp --bundle-ranks origin --json /tmp/origin.json
 """
 
 from __future__ import annotations
@@ -41,7 +45,25 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
-def worker(wrapper: str, steps: int, incident_step: int, out_dir: str) -> None:
+def _written(bundle: str | None) -> str | None:
+    """What an incident's ``bundle`` path holds: ``"full"``, ``"pointer"`` or ``None`` (nothing written)."""
+    if bundle is None:
+        return None
+    return "pointer" if (Path(bundle) / "pointer.json").is_file() else "full"
+
+
+def _incident_row_bytes(db: Path) -> int:
+    """Bytes of the incident records in the run store (the JSON of each row, history included)."""
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    try:
+        return int(conn.execute("SELECT coalesce(sum(length(data)), 0) FROM incidents").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def worker(wrapper: str, steps: int, incident_step: int, out_dir: str, bundle_ranks: str | None) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -79,7 +101,8 @@ def worker(wrapper: str, steps: int, incident_step: int, out_dir: str) -> None:
 
     dist.all_reduce = counting_all_reduce
     decide_time = [0.0]
-    real_decide = Guard._decide
+    decide_name = "decide" if hasattr(Guard, "decide") else "_decide"  # renamed from _decide
+    real_decide = getattr(Guard, decide_name)
 
     def timed_decide(self, **kw):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
@@ -88,9 +111,12 @@ def worker(wrapper: str, steps: int, incident_step: int, out_dir: str) -> None:
         finally:
             decide_time[0] += time.perf_counter() - t0
 
-    Guard._decide = timed_decide
+    setattr(Guard, decide_name, timed_decide)
     run_dir = Path(out_dir) / f"w{world}-{wrapper}" / "run"
-    guard = nantrace.watch(wrapped, opt, run_dir=str(run_dir), config=nantrace.Config(print_incidents=False))
+    outputs: dict[str, Any] = {"print_incidents": False}
+    if bundle_ranks:
+        outputs["bundle_ranks"] = bundle_ranks
+    guard = nantrace.watch(wrapped, opt, run_dir=str(run_dir), config=nantrace.Config(outputs=outputs))
     gen = torch.Generator().manual_seed(100 + rank)
     rows = []
     with HostReadCounter() as reads:
@@ -111,14 +137,21 @@ def worker(wrapper: str, steps: int, incident_step: int, out_dir: str) -> None:
                 "bytes": sum(b for _, b in collectives),
                 "decide_us": decide_time[0] * 1e6,
             })
-    incidents = [[i.step, i.kind, i.rank, i.action, i.bundle is not None] for i in guard.incidents]
+    incidents = [[i.step, i.kind, i.rank, i.action, _written(i.bundle)] for i in guard.incidents]
     guard.close()
     dist.all_reduce = real_all_reduce
     mine = Path(guard.run_dir)
     store = sum(p.stat().st_size for p in mine.glob("nantrace.db*"))
     bundles = _dir_bytes(mine / "incidents")
+    dist.barrier()  # every rank's store is closed before rank 0 renders its report
+    report_bytes = None
+    if rank == 0:
+        from nantrace.report.render import render_report
+
+        report_bytes = Path(render_report(mine, mine / "report.html")).stat().st_size
     result = {"rank": rank, "world": world, "wrapper": wrapper, "rows": rows, "incidents": incidents,
-              "store_bytes": store, "bundle_bytes": bundles, "run_dir": str(mine),
+              "store_bytes": store, "incident_row_bytes": _incident_row_bytes(mine / "nantrace.db"),
+              "bundle_bytes": bundles, "report_bytes": report_bytes, "run_dir": str(mine),
               "parameters": sum(p.numel() for p in model.parameters())}
     (Path(out_dir) / f"w{world}-{wrapper}-rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -131,11 +164,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, wrapper: str, *, steps: int, incident_step: int, out_dir: str) -> list[dict[str, Any]]:
+def launch(world: int, wrapper: str, *, steps: int, incident_step: int, out_dir: str,
+           bundle_ranks: str | None = None) -> list[dict[str, Any]]:
     env = dict(os.environ, OMP_NUM_THREADS="1", NANTRACE_SCALE_WORKER="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), str(HERE), "--wrapper", wrapper, "--steps", str(steps),
-           "--incident-step", str(incident_step), "--out", out_dir]
+           "--incident-step", str(incident_step), "--out", out_dir] + (
+               ["--bundle-ranks", bundle_ranks] if bundle_ranks else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
@@ -155,7 +190,10 @@ def summarise(ranks: list[dict[str, Any]], incident_step: int) -> dict[str, Any]
         "incident_bytes": sorted({row["bytes"] for row in at}),
         "incidents": {r["rank"]: r["incidents"] for r in ranks},
         "store_bytes": {r["rank"]: r["store_bytes"] for r in ranks},
+        "incident_row_bytes": {r["rank"]: r["incident_row_bytes"] for r in ranks},
         "bundle_bytes": {r["rank"]: r["bundle_bytes"] for r in ranks},
+        "bundle_total": sum(r["bundle_bytes"] for r in ranks),
+        "report_bytes": ranks[0]["report_bytes"],
         "decide_us_median": statistics.median(row["decide_us"] for row in steady),
     }
 
@@ -168,16 +206,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--incident-step", type=int, default=12)
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--bundle-ranks", default=None, choices=("auto", "origin", "all"),
+                    help="Config.outputs.bundle_ranks (default: nantrace's own default)")
     args = ap.parse_args(argv)
     if os.environ.get("NANTRACE_SCALE_WORKER"):
-        worker(args.wrapper, args.steps, args.incident_step, args.out)
+        worker(args.wrapper, args.steps, args.incident_step, args.out, args.bundle_ranks)
         return 0
     out = args.out or tempfile.mkdtemp(prefix="nantrace-scale-")
     summaries = []
     for wrapper in args.wrapper.split(","):
         for world in (int(w) for w in args.world.split(",")):
-            summary = summarise(launch(world, wrapper, steps=args.steps, incident_step=args.incident_step, out_dir=out),
-                                args.incident_step)
+            summary = summarise(launch(world, wrapper, steps=args.steps, incident_step=args.incident_step, out_dir=out,
+                                       bundle_ranks=args.bundle_ranks), args.incident_step)
             summaries.append(summary)
             print(json.dumps(summary), flush=True)
     print(f"load average: {os.getloadavg()}")

@@ -1,4 +1,7 @@
-"""Run by tests/test_distributed.py under torchrun (2 processes, gloo, CPU)."""
+"""Run by tests/test_distributed.py under torchrun (2 processes, gloo, CPU).
+
+Arguments: SCENARIO POLICY OUT_DIR [BUNDLE_RANKS] (``Config.outputs.bundle_ranks``, default: nantrace's).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +18,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nantrace
+
+
+def make_model() -> nn.Module:
+    """The model every scenario trains (``nantrace replay --model ddp_script:make_model`` rebuilds it)."""
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
 def wrap(model: nn.Module, scenario: str) -> nn.Module:
@@ -66,20 +74,21 @@ def count_reads(scenario: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def main(scenario: str, policy: str, out_dir: str) -> None:
+def main(scenario: str, policy: str, out_dir: str, bundle_ranks: str | None = None) -> None:
     dist.init_process_group("gloo")
     if scenario.endswith("_reads"):
         count_reads(scenario, out_dir)
         return
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = make_model()
     ddp = wrap(model, scenario)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     if scenario == "rewatch_nan_rank1":  # an earlier guard registered the comm hook, then closed
         nantrace.watch(ddp, opt, config=nantrace.Config(print_incidents=False)).close()
+    outputs = {"print_incidents": False} | ({"bundle_ranks": bundle_ranks} if bundle_ranks else {})
     guard = nantrace.watch(ddp, opt, run_dir=f"{out_dir}/run", on_anomaly=policy,
-                           config=nantrace.Config(print_incidents=False))
+                           config=nantrace.Config(outputs=outputs))
     gen = torch.Generator().manual_seed(100 + rank)
     w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
     steps = {"loss_spike_rank1": 60, "broken_rank1": 20}.get(scenario, 8)
@@ -137,7 +146,7 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
     # Everything under test is done and written. Skip interpreter finalisation, where gloo's
     # C++ threads have been seen to abort a rank at exit ("terminate called without an active
     # exception") after a clean run: that race is torch's, not what these tests check.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 
+SRC = Path(__file__).resolve().parents[1] / "src"
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 
 
@@ -21,11 +23,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(tmp_path: Path, scenario: str, policy: str = "skip", script: Path = SCRIPT) -> list[dict]:
+def _torchrun(tmp_path: Path, scenario: str, policy: str = "skip", bundle_ranks: str | None = None,
+              script: Path = SCRIPT) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(script), scenario, policy, str(tmp_path)]
+           str(script), scenario, policy, str(tmp_path)] + ([bundle_ranks] if bundle_ranks else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)  # a hang fails here
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -69,6 +72,87 @@ def test_bundles_replay_to_the_origin_rank_never_to_a_transient(tmp_path):
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     origin = nantrace.replay(own, model=model)
     assert (origin.cause, origin.transient) == ("nonfinite_input", False), origin.summary
+
+
+@pytest.fixture(scope="module")
+def pointer_job(tmp_path_factory) -> Path:
+    """One job with ``bundle_ranks="origin"``: rank 1's batch holds a NaN at step 3 (read only)."""
+    out = tmp_path_factory.mktemp("pointer_job")
+    _torchrun(out, "nan_input_rank1", bundle_ranks="origin")
+    return out
+
+
+def _replay_cli(target: Path, *, cwd: Path) -> subprocess.CompletedProcess:
+    """``nantrace replay TARGET --model ddp_script:make_model``, as a user runs it."""
+    env = dict(os.environ, COLUMNS="100", PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "nantrace", "replay", str(target), "--model", "ddp_script:make_model"],
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=240)
+
+
+def test_with_pointers_only_the_origin_rank_writes_a_full_bundle(pointer_job):
+    """Rank 1 (the origin) writes the full bundle; rank 0 a pointer to it, also named in its run store."""
+    from nantrace.storage.bundle import REQUIRED
+    from nantrace.storage.pointer import POINTER_FILE, load_pointer
+    from nantrace.storage.runstore import RunStore
+
+    run = pointer_job / "run"
+    [own] = sorted((run / "rank1" / "incidents").iterdir())
+    assert sorted(p.name for p in own.iterdir()) == sorted(REQUIRED)
+    [pointer_dir] = sorted((run / "incidents").iterdir())
+    assert [p.name for p in pointer_dir.iterdir()] == [POINTER_FILE]
+    assert (pointer_dir / POINTER_FILE).stat().st_size < 2_000
+    pointer = load_pointer(pointer_dir)
+    assert (pointer.version, pointer.step, pointer.kind, pointer.writer_rank, pointer.world_size) == (
+        1, 3, "nonfinite_grad", 0, 2)
+    assert pointer.holders == {1: os.path.join("..", "..", "rank1", "incidents")} and pointer.origin_ranks == [1]
+    assert pointer.figures["grad_norm"] == "nan" and pointer.figures["nonfinite_grads"] == 4
+    [stored] = RunStore(run, readonly=True).incidents()
+    assert stored.bundle == str(pointer_dir) and stored.id == pointer.incident_id
+    assert stored.details["bundle_pointer"] == {"holder_ranks": [1], "bundle_prefix": "step000003-",
+                                                "incidents": {"1": os.path.join("..", "..", "rank1", "incidents")}}
+    [origin_stored] = RunStore(run / "rank1", readonly=True).incidents()
+    assert origin_stored.bundle == str(own) and "bundle_pointer" not in origin_stored.details
+
+
+def test_the_origin_bundle_replays_to_its_bad_batch_and_the_pointer_follows_it(pointer_job):
+    import torch
+
+    import nantrace
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from ddp_script import make_model
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    [own] = sorted((pointer_job / "run" / "rank1" / "incidents").iterdir())
+    [pointer_dir] = sorted((pointer_job / "run" / "incidents").iterdir())
+    torch.manual_seed(0)
+    origin = nantrace.replay(own, model=make_model())
+    assert (origin.cause, origin.phase, origin.op, origin.rank, origin.transient) == (
+        "nonfinite_input", "data", None, 1, False), origin.summary
+    followed = nantrace.replay(pointer_dir, model=make_model())
+    assert (followed.cause, followed.op, followed.rank, followed.bundle) == ("nonfinite_input", None, 1, str(own))
+    assert followed.details["followed_pointer"] == str(pointer_dir) and followed.details["bundle_rank"] == 1
+    proc = _replay_cli(pointer_dir, cwd=SCRIPT.parent)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"{pointer_dir} is a pointer from rank 0: replaying rank 1's bundle {own}"
+    assert "nonfinite_input" in lines[1] and "Traceback" not in proc.stderr
+    assert lines[-1] == "reproduced: same op, module and cause as recorded"
+
+
+def test_a_pointer_whose_bundle_is_elsewhere_says_where_without_a_traceback(pointer_job, tmp_path):
+    """Rank 0's directory copied alone (rank 1's bundle on another machine): one line, exit code 2."""
+    shutil.copytree(pointer_job / "run" / "incidents", tmp_path / "run" / "incidents")
+    [pointer_dir] = sorted((tmp_path / "run" / "incidents").iterdir())
+    proc = _replay_cli(pointer_dir, cwd=SCRIPT.parent)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    expected = os.path.join(str(tmp_path / "run" / "rank1" / "incidents"), "step000003-*")
+    assert proc.stderr == (f"error: {str(pointer_dir)!r} is a pointer written by rank 0 for step 3 (nonfinite_grad): "
+                           f"the full bundle is held by rank 1 and is not on this filesystem (rank 1: {expected}); "
+                           "replay it where that rank's run directory is, or copy its incidents directory there (if "
+                           "it is not there either, that rank wrote none for this step: past "
+                           "Config.outputs.max_bundles, or a repeat of its episode's incident)\n")
 
 
 def test_a_local_loss_spike_on_one_rank_makes_every_rank_skip(tmp_path):

@@ -516,3 +516,19 @@ def test_cli_subprocess(real_run, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "nantrace.cli.main", "report", str(tmp_path / "none")],
                          capture_output=True, text=True, timeout=300, env=env)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def test_a_pointer_incident_names_the_rank_holding_the_bundle_and_reads_nothing_of_it(tmp_path):
+    """Rank 0's report under ``bundle_ranks="origin"``: the card links the pointer, says which rank
+    holds the full bundle, and the report reads neither that rank's store nor its bundle."""
+    pointer = str(tmp_path / "incidents" / "step000004-nonfinite_grad-p")
+    inc = _incident(4, bundle=pointer, details={"origin_ranks": [3], "bundle_pointer": {
+        "holder_ranks": [3], "incidents": {"3": "../../rank3/incidents"}, "bundle_prefix": "step000004-"}})
+    page = render_report(_synthetic(tmp_path, 6, incidents=(inc,))).read_text(encoding="utf-8")
+    card = page[page.index(f'id="incident-{inc.id}"'):]
+    from nantrace.console import display_path
+
+    shown = display_path(pointer)  # as the card shows paths: relative to the working directory when under it
+    assert (f"<dd><code>{shown}</code> (a pointer: rank 3 holds the full bundle; nantrace replay follows it)</dd>"
+            in card)
+    assert f"Reproduce: <code>nantrace replay {shown}</code>" in card

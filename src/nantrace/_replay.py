@@ -27,6 +27,7 @@ from .capture import StepCapture
 from .config import Config
 from .incident import Incident
 from .storage.bundle import Bundle, load_bundle
+from .storage.pointer import find_target, is_pointer, load_pointer, missing_message
 
 
 def resolve_factory(spec: str) -> Callable[[], nn.Module]:
@@ -95,11 +96,29 @@ def _received_from(bundle: Bundle) -> Incident | None:
     )
 
 
+def _follow_pointer(path: str | os.PathLike[str], model: nn.Module | str | None, *, config: Config | None) -> Incident:
+    """Replay the full bundle a pointer names (``storage/pointer.py``); the diagnosis says it was
+    followed. When that bundle is not on this filesystem, a ``ValueError`` says where it should be."""
+    pointer = load_pointer(path)
+    found = find_target(pointer)
+    if found is None:
+        raise ValueError(missing_message(pointer))
+    rank, target = found
+    incident = replay(target, model, config=config)
+    incident.details.update({"followed_pointer": str(pointer.path), "pointer_writer_rank": pointer.writer_rank,
+                             "bundle_rank": rank})
+    return incident
+
+
 def replay(bundle_dir: str | os.PathLike[str], model: nn.Module | str | None = None, *, config: Config | None = None) -> Incident:
-    """Replay the failing step of a bundle; returns a fresh diagnosis (compare with the saved one)."""
+    """Replay the failing step of a bundle; returns a fresh diagnosis (compare with the saved one).
+    ``bundle_dir`` may be a pointer written by a rank that holds no full bundle: the bundle it names
+    is replayed."""
     from ._watch import watch
     from .localisation.localiser import localise_incident
 
+    if is_pointer(bundle_dir):
+        return _follow_pointer(bundle_dir, model, config=config)
     bundle = load_bundle(bundle_dir)
     received = _received_from(bundle)
     if received is not None:

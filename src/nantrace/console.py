@@ -219,7 +219,10 @@ def render_incident(incident: Incident) -> Panel:
             tail.add_row(label, Text(names + more))
     tail.add_row(Text("fix", style="bold green"), Text(incident.fix))
     if incident.bundle:
-        tail.add_row("bundle", Text(display_path(incident.bundle)))
+        from .storage.pointer import pointer_note
+
+        note = pointer_note(incident.details)
+        tail.add_row("bundle", Text(display_path(incident.bundle) + (f" ({note})" if note else "")))
     parts.append(tail)
     return Panel(Group(*parts), title=title, title_align="left",
                  border_style="red" if incident.kind.startswith("nonfinite") else "yellow")

@@ -58,6 +58,7 @@ class Reporter:
         self.incidents: list[Incident] = []
         self._capture = capture
         self._bundles_written = 0
+        self._pointers_written = 0
         self._data_inbox: deque[Any] = deque()
         self._owner_thread = threading.get_ident()
 
@@ -164,10 +165,26 @@ class Reporter:
             console.print_incident(incident)
 
     def write_bundle(self, incident: Incident) -> None:
-        """Write the incident's reproduction bundle (at most ``Config.outputs.max_bundles`` per run)."""
-        if self.watched.store is None or self._bundles_written >= self.watched.config.outputs.max_bundles:
+        """Write the incident's reproduction bundle, or, under data parallelism when another rank holds
+        it (``Config.outputs.bundle_ranks``, ``storage/bundle_policy.py``), a pointer to that rank's.
+        At most ``Config.outputs.max_bundles`` of each per run."""
+        watched = self.watched
+        if watched.store is None:
+            return
+        from .storage.bundle_policy import bundle_holders
+
+        holders = bundle_holders(incident, rank=watched.rank, world_size=watched.world_size,
+                                 setting=watched.config.outputs.bundle_ranks)
+        if holders is not None:
+            if self._pointers_written < watched.config.outputs.max_bundles:
+                from .storage.pointer import write_pointer
+
+                write_pointer(watched, incident, holders)
+                self._pointers_written += 1
+            return
+        if self._bundles_written >= watched.config.outputs.max_bundles:
             return
         from .storage.bundle import write_bundle
 
-        incident.bundle = write_bundle(self.watched, incident, self._capture())
+        incident.bundle = write_bundle(watched, incident, self._capture())
         self._bundles_written += 1

@@ -22,7 +22,8 @@ SHORT_HELP = "Re-run the failing step from an incident bundle and print the diag
 
 def replay_command(
     bundle_dir: Path = typer.Argument(..., metavar="BUNDLE_DIR", show_default=False,
-                                      help="An incident bundle: a directory RUN_DIR/incidents/step…-KIND-ID."),
+                                      help="An incident bundle: a directory RUN_DIR/incidents/step…-KIND-ID "
+                                           "(or another rank's pointer to one, which is followed)."),
     model: Optional[str] = typer.Option(None, "--model", metavar="MODULE:FACTORY",
                                         help="What builds the model, when the bundle records no importable factory "
                                              "(the model class was defined in a script)."),
@@ -32,7 +33,9 @@ def replay_command(
 
     The bundle holds the batch, the pre-step weights and RNG state, so the step replays
     on any machine. The last line says whether the op, module and cause match the ones
-    recorded when the incident happened. Exit code 2 when the bundle cannot be read.
+    recorded when the incident happened. A pointer (written under data parallelism by a rank
+    that holds no full bundle) is followed to the bundle of the rank it names. Exit code 2
+    when the bundle cannot be read or a pointer's bundle is not on this filesystem.
     """
     from .._replay import replay
     from ..console import OUT, print_incident
@@ -46,8 +49,13 @@ def replay_command(
     if as_json:
         typer.echo(json.dumps(incident.to_dict(), indent=2))
         return
+    followed = incident.details.get("followed_pointer")
+    if followed is not None:
+        OUT.print(f"{followed} is a pointer from rank {incident.details.get('pointer_writer_rank')}: replaying "
+                  f"rank {incident.details.get('bundle_rank')}'s bundle {incident.bundle}", soft_wrap=True,
+                  markup=False, highlight=False)
     print_incident(incident, OUT)
-    saved = json.loads((Path(bundle_dir) / "diagnosis.json").read_text())
+    saved = json.loads((Path(incident.bundle or bundle_dir) / "diagnosis.json").read_text())
     same = all(saved.get(k) == getattr(incident, k) for k in ("op", "module", "cause"))
     verdict = "[green]reproduced[/green]: same op, module and cause as recorded" if same else (
         f"[yellow]differs from the recorded diagnosis[/yellow] (recorded: op={saved.get('op')}, "

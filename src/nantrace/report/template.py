@@ -234,6 +234,14 @@ def _detail(value: Any) -> str:
     return f"<code>{esc(json.dumps(value, default=str))}</code>"
 
 
+def _pointer_note(inc: Incident) -> str:
+    """After a pointer's path: which rank holds the full bundle (the report never reads it)."""
+    from ..storage.pointer import pointer_note
+
+    note = pointer_note(inc.details)
+    return f" ({esc(note)})" if note else ""
+
+
 def incident_card_html(inc: Incident, snippet: CodeSnippet | None, history: Sequence[dict[str, Any]],
                        sparklines: Sequence[str]) -> str:
     """One incident: what, where (with the code), why, the fix, and the evidence."""
@@ -246,7 +254,7 @@ def incident_card_html(inc: Incident, snippet: CodeSnippet | None, history: Sequ
         ("cause", f'<span class="cause">{esc(inc.cause)}</span>'),
         ("action", esc(inc.action)),
         ("transient", esc(_transient(inc.transient))),
-        ("bundle", f"<code>{esc(inc.bundle)}</code>" if inc.bundle else "— (none written)"),
+        ("bundle", f"<code>{esc(inc.bundle)}</code>{_pointer_note(inc)}" if inc.bundle else "— (none written)"),
         ("id", f"<code>{esc(inc.id)}</code>"),
     ]
     kv_html = "".join(f"<div><dt>{k}</dt><dd>{v}</dd></div>" for k, v in kv)
