@@ -2,15 +2,19 @@
 
 Grid: precision (``bf16``: autocast to bfloat16; ``fp16``: autocast to float16 with a
 ``torch.amp.GradScaler``) × mode (``eager``, ``compile``: ``torch.compile`` of the model) ×
-tool (``plain``; ``nantrace``: ``nantrace.watch(model, optimizer, scaler=...)`` with
-defaults; ``detect_anomaly``: ``torch.autograd.detect_anomaly(check_nan=True)``). Every
-cell trains its own copy of the same initial weights on the same batches (AdamW); tools of
+tool (``plain``; ``nantrace``: ``nantrace.watch(model, optimizer, scaler=...)``, the
+synchronous check, one host read per step; ``nantrace_syncfree``: the same with
+``sync_free="auto"``, each step decided on the device, no host read (docs/sync_free.md; with
+fp16 the GradScaler owns ``found_inf``, so it falls back to the synchronous check and the
+table says so); ``detect_anomaly``: ``torch.autograd.detect_anomaly(check_nan=True)``). Every
+cell trains its own copy of the same initial weights on the same batches (fused AdamW); tools of
 one (precision, mode) are interleaved in blocks of ``--steps-per-block`` steps, so the
-device's clocks and the host's load hit them alike. Step time is measured with CUDA events
-around each step (on the CPU: ``perf_counter``); peak memory is
-``torch.cuda.max_memory_allocated`` over the timed steps (on the CPU: not measured).
-Weights of ``plain`` and ``nantrace`` are compared at the end (nantrace must not change
-training).
+device's clocks and the host's load hit them alike. Time is measured with CUDA events around
+each block, synchronised only at its end (so a tool's own per-step host reads, which drain the
+launch queue, are part of its time; on the CPU: ``perf_counter``), as time per step; peak
+memory is ``torch.cuda.max_memory_allocated`` over the timed steps (on the CPU: not measured).
+Weights of ``plain`` and each nantrace variant are compared at the end (nantrace must not
+change training).
 
 Default model: 12 layers, d_model 768, 12 heads, sequence 1024, vocabulary 50257 (GPT-2
 small, 124 M parameters with the untied head here: 163 M), batch 8.
@@ -22,7 +26,7 @@ Usage::
     python benchmarks/gpu.py --tiny --device cpu --rounds 1     # smoke test (tests/test_benchmarks.py)
 
     # prints a markdown table for docs/benchmarks.md:
-    # | precision | mode | tool | median step | × plain | peak memory | × plain |
+    # | precision | mode | tool | median step | × plain | peak memory | × plain | weights = plain | host reads |
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import TinyGPT  # noqa: E402
 
-TOOLS = ("plain", "nantrace", "detect_anomaly")
+TOOLS = ("plain", "nantrace", "nantrace_syncfree", "detect_anomaly")
 PRECISIONS = ("bf16", "fp16")
 MODES = ("eager", "compile")
 GPT2_SMALL = {"vocab": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "max_len": 1024, "batch": 8}
@@ -62,27 +66,23 @@ class Cell:
         self.precision = precision
         self.device = device
         self.model = copy.deepcopy(base).to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         self.run = torch.compile(self.model, backend=compile_backend) if mode == "compile" else self.model
         self.guard = None
-        if tool == "nantrace":
+        if tool.startswith("nantrace"):
             import nantrace
 
-            self.guard = nantrace.watch(self.run, self.opt, scaler=self.scaler,
-                                        config=nantrace.Config(print_incidents=False))
+            config = nantrace.Config(outputs={"print_incidents": False},
+                                     detection={"sync_free": "auto" if tool == "nantrace_syncfree" else False})
+            self.guard = nantrace.watch(self.run, self.opt, scaler=self.scaler, config=config)
         self.times: list[float] = []
         self.peak = 0
 
-    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         x, y = batch
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         anomaly = torch.autograd.detect_anomaly(check_nan=True) if self.tool == "detect_anomaly" else contextlib.nullcontext()
-        cuda = self.device.type == "cuda"
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
         with anomaly:
             self.opt.zero_grad(set_to_none=True)
             with torch.autocast(self.device.type, dtype=dtype):
@@ -95,11 +95,27 @@ class Cell:
             else:
                 loss.backward()
                 self.opt.step()
+
+    def block(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Time per step of a block of steps, synchronised only at its end."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for batch in batches:
+            self.step(batch)
         if cuda:
             end.record()
             end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        return time.perf_counter() - t0
+            return start.elapsed_time(end) / 1e3 / len(batches)
+        return (time.perf_counter() - t0) / len(batches)
+
+    @property
+    def decided_on_device(self) -> bool | None:
+        """Whether the guard decides steps on the device (sync-free mode); ``None`` without a guard."""
+        return None if self.guard is None else self.guard.sync_free is not None
 
     def close(self) -> None:
         if self.guard is not None:
@@ -131,16 +147,11 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
                 for cell in order:
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
-                    for i in range(args.steps_per_block):
-                        cell.step_time = cell.step(batches[(r * args.steps_per_block + i) % len(batches)])
-                        cell.times.append(cell.step_time)
+                    block = [batches[(r * args.steps_per_block + i) % len(batches)] for i in range(args.steps_per_block)]
+                    cell.times.append(cell.block(block))
                     if device.type == "cuda":
                         cell.peak = max(cell.peak, torch.cuda.max_memory_allocated(device))
-            same = None
             by_tool = {c.tool: c for c in cells}
-            if "plain" in by_tool and "nantrace" in by_tool:
-                same = all(torch.equal(a, b) for a, b in zip(by_tool["plain"].model.state_dict().values(),
-                                                             by_tool["nantrace"].model.state_dict().values()))
             plain = by_tool.get("plain")
             for cell in cells:
                 med = statistics.median(cell.times)
@@ -151,7 +162,10 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
                     "peak_bytes": cell.peak or None,
                     "ratio_peak": cell.peak / plain.peak if plain and plain.peak else None,
                     "incidents": len(cell.guard.incidents) if cell.guard is not None else None,
-                    "same_weights_as_plain": same if cell.tool == "nantrace" else None,
+                    "same_weights_as_plain": all(torch.equal(a, b) for a, b in zip(
+                        plain.model.state_dict().values(), cell.model.state_dict().values()))
+                    if plain is not None and cell.tool.startswith("nantrace") else None,
+                    "decided_on_device": cell.decided_on_device,
                 })
                 cell.close()
             del cells, by_tool, plain
@@ -170,13 +184,14 @@ def print_table(results: dict[str, Any]) -> None:
         return "n/a" if v is None else format(v, spec)
 
     print(f"model: {results['model']}, {results['parameters'] / 1e6:.1f} M parameters; {results['environment']}")
-    print("| precision | mode | tool | median step | × plain | peak memory | × plain | weights = plain |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| precision | mode | tool | median step | × plain | peak memory | × plain | weights = plain | host reads |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for c in results["cells"]:
         peak = "n/a" if c["peak_bytes"] is None else f"{c['peak_bytes'] / 2**20:.0f} MiB"
         same = "" if c["same_weights_as_plain"] is None else ("yes" if c["same_weights_as_plain"] else "**NO**")
+        reads = {None: "", True: "0 / step (sync-free)", False: "1 / step"}[c.get("decided_on_device")]
         print(f"| {c['precision']} | {c['mode']} | {c['tool']} | {c['median_step_s'] * 1e3:.2f} ms | "
-              f"{fmt(c['ratio_step'], '.3f')} | {peak} | {fmt(c['ratio_peak'], '.3f')} | {same} |")
+              f"{fmt(c['ratio_step'], '.3f')} | {peak} | {fmt(c['ratio_peak'], '.3f')} | {same} | {reads} |")
 
 
 def _csv(value: str, allowed: Sequence[str]) -> list[str]:
