@@ -1,5 +1,5 @@
-"""Run by tests/test_sync_free.py under torchrun (2 processes, gloo, CPU): DDP training with a
-fused AdamW, once synchronous and once sync-free, a NaN in rank 1's batch at step 5 only."""
+"""Run by tests/test_sync_free.py under torchrun (2 processes, gloo, CPU): DDP or FSDP2 training
+with a fused AdamW, once synchronous and once sync-free, a NaN in rank 1's batch at step 5 only."""
 
 from __future__ import annotations
 
@@ -18,9 +18,20 @@ import nantrace
 from nantrace.testing.host_reads import HostReadCounter
 
 
-def train(sync_free: bool, rank: int, run_dir: str) -> dict:
+def wrap(model: nn.Module, scenario: str) -> nn.Module:
+    if scenario == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        return fully_shard(model)
+    return DDP(model)
+
+
+def train(scenario: str, sync_free: bool, rank: int, run_dir: str) -> dict:
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+    model = wrap(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)), scenario)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     cfg = nantrace.Config(outputs={"print_incidents": False}, detection={"sync_free": sync_free})
     guard = nantrace.watch(model, opt, run_dir=run_dir, config=cfg)
@@ -37,7 +48,7 @@ def train(sync_free: bool, rank: int, run_dir: str) -> dict:
             opt.step()
             reads.append(len([e for e in counter.events if e.where.startswith("nantrace" + os.sep)]))
     guard.close()
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten() for p in model.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(2)]
     dist.all_gather(gathered, flat)
     return {
@@ -52,8 +63,8 @@ def train(sync_free: bool, rank: int, run_dir: str) -> dict:
 def main(scenario: str, policy: str, out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = {"sync": train(False, rank, os.path.join(out_dir, "sync")),
-              "free": train(True, rank, os.path.join(out_dir, "free"))}
+    result = {"sync": train(scenario, False, rank, os.path.join(out_dir, "sync")),
+              "free": train(scenario, True, rank, os.path.join(out_dir, "free"))}
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()

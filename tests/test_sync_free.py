@@ -267,15 +267,17 @@ def test_divergence_firing_ranges_agree_with_the_detector_itself():
     assert agree == 120 * 100 * 6 and fired > 5000  # the verdicts that fire are well represented
 
 
-def test_ddp_two_gloo_ranks_sync_free_matches_sync_with_zero_reads(tmp_path):
-    """A NaN in rank 1's batch only: every rank skips the same step on the device (the verdicts
-    are combined by the step's all-reduce), the incident names rank 1 on both ranks, the weights
-    equal the synchronous run's and each other's, and no step after the first reads the host."""
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp"])
+def test_two_gloo_ranks_sync_free_matches_sync_with_zero_reads(tmp_path, scenario):
+    """A NaN in rank 1's batch only: every rank skips the same step on the device (DDP: the
+    verdicts ride in the step's all-reduce; FSDP2: judged on the global norms it yields, then
+    combined by one more all-reduce on the device), the incident names rank 1 on both ranks, the
+    weights equal the synchronous run's and each other's, and no step after the first reads the host."""
     from pathlib import Path
 
     from test_distributed import _torchrun
 
-    results = _torchrun(tmp_path, "sync_free", script=Path(__file__).with_name("sync_free_script.py"))
+    results = _torchrun(tmp_path, scenario, script=Path(__file__).with_name("sync_free_script.py"))
     for res in results:
         sync, free = res["sync"], res["free"]
         assert free["device_steps"] == 11 and sync["device_steps"] == 0
@@ -287,4 +289,4 @@ def test_ddp_two_gloo_ranks_sync_free_matches_sync_with_zero_reads(tmp_path):
         assert sync["reads"][:5] + sync["reads"][6:] == [1] * 11
         assert free["reads"][:6] + free["reads"][7:] == [1] + [0] * 10
     assert results[1]["free"]["incidents"][0][1] == "nonfinite_input"
-    assert results[0]["free"]["incidents"][0][1] == "nonfinite_grad"
+    assert results[0]["free"]["incidents"][0][1] == "nonfinite_grad"  # rank 0 only received them

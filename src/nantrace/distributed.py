@@ -215,6 +215,11 @@ class StepRound:
             squares = squares / scale
         return squares
 
+    def global_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the device, after the all-reduce (FSDP2): the model's gradient and parameter norms."""
+        squares = self.vector[self.world_size * self.k:]
+        return squares[0].sqrt(), squares[1].sqrt()
+
     def any_block(self) -> torch.Tensor:
         """On the device, after the all-reduce: some rank's own verdict blocks the update (sync-free mode)."""
         words = self.vector[: self.world_size * self.k : self.k]

@@ -76,8 +76,6 @@ def ineligible(watched: "Watched", *, scaler: Any, policy: str, skip_snapshots: 
         return "a GradScaler already hands the optimizer its own found_inf"
     if policy == "rollback" or skip_snapshots:
         return "a rollback restores a state the next step's gradients were not computed from"
-    if watched.sharded:
-        return "FSDP2 gradient shards are judged by a round that still needs the host"
     return None
 
 
@@ -96,15 +94,19 @@ class Bounds:
     """Gradient and parameter norms up to which the optimizer's update is proven finite (``inf``: unchecked)."""
 
 
-def device_verdict(staged: StagedHealth, bounds: Bounds) -> torch.Tensor:
+def device_verdict(staged: StagedHealth, bounds: Bounds,
+                   norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The synchronous mode's "block this update", computed on the device (a 0-dim bool).
 
     Non-finite inputs, loss, gradients or parameters always block; a finite anomaly blocks when
     the policy says so; a step whose norms exceed the bound the update is proven finite for is
     withheld (the synchronous mode would copy the state, update and check it; see the module doc).
+    ``norms``: the global gradient and parameter norms in place of the staged ones (FSDP2 shards).
     """
     v = staged.vector
     loss, g, p = v[0], v[1], v[2]
+    if norms is not None:
+        g, p = norms
     block = v[3] < 1  # inputs not all finite
     if staged.has_loss:
         block = block | ~torch.isfinite(loss)
@@ -257,12 +259,16 @@ class SyncFree:
             inputs_ok=capture.inputs_ok, outputs_ok=capture.outputs_ok, local_grads_ok=capture.local_grads_ok,
             scale=None, grads_scaled=False, accumulate=torch.float64,
         )
-        block = device_verdict(staged, bounds)
         ranks = None
-        if watched.world_size > 1:
-            ranks = StepRound(watched, self.judge, staged, grad_index, device_block=block)
-            block = ranks.any_block()
-        found_inf = block.to(torch.float32)
+        if watched.world_size == 1:
+            found_inf = device_verdict(staged, bounds).to(torch.float32)
+        elif not watched.sharded:  # DDP: each rank's verdict rides in its word of the agreement vector
+            ranks = StepRound(watched, self.judge, staged, grad_index, device_block=device_verdict(staged, bounds))
+            found_inf = ranks.any_block().to(torch.float32)
+        else:  # FSDP2: judged on the global norms the agreement's all-reduce yields, then combined (max) on the device
+            ranks = StepRound(watched, self.judge, staged, grad_index)
+            found_inf = device_verdict(staged, bounds, norms=ranks.global_norms()).to(torch.float32)
+            torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
         watched.optimizer.found_inf = found_inf  # type: ignore[union-attr]  # read by the fused kernel
         parts = [staged.vector.to(torch.float64), found_inf.to(staged.vector.device, torch.float64).reshape(1)]
         if ranks is not None:

@@ -79,7 +79,7 @@ class DetectionConfig(SettingsGroup):
     fused optimizer as ``found_inf`` (the way ``GradScaler`` skips a step) and the host reads the
     step's figures at the next step, then reports and localises it. The weights are those of the
     synchronous mode, bit for bit. ``"auto"`` (default): on wherever it is exact (a fused
-    optimizer, no GradScaler, no rollback, no FSDP2); ``True``: required (an error says why a
+    optimizer, no GradScaler, no rollback); ``True``: required (an error says why a
     set-up cannot have it); ``False``: always the synchronous read."""
 
     scaler_max_skips: int = 20
