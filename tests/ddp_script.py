@@ -17,6 +17,49 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import nantrace
 
 
+class Log(nn.Module):
+    """log of the batch: NaN in the forward when a value is negative (rank 1's batch only)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+class Magnitude(nn.Module):
+    """The rows' Euclidean norm: finite at an all-zero row, but its derivative there is infinite."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt((h * h).sum(-1, keepdim=True))
+
+
+def build(scenario: str) -> nn.Module:
+    """The scenario's model (seeded: the same weights on every rank and in the test process)."""
+    torch.manual_seed(0)
+    if scenario.endswith("log_rank1"):
+        return nn.Sequential(Log(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    if scenario.endswith("sqrt_rank1"):
+        return nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), Magnitude(), nn.Linear(1, 1))
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def batch(scenario: str, rank: int, step: int, gen: torch.Generator, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's batch of this rank; rank 1's is broken at step 3 (and on, for ``broken_rank1``)."""
+    x = torch.randn(16, 8, generator=gen)
+    y = x @ w + 0.1 * torch.randn(16, 1, generator=gen)
+    if scenario.endswith("log_rank1"):
+        x = x.abs() + 0.5
+    if rank == 1 and step == 3 and scenario in ("nan_input_rank1", "fsdp_nan_input_rank1", "rewatch_nan_rank1"):
+        x[2, 5] = float("nan")
+    if rank == 1 and step >= 3 and scenario == "broken_rank1":  # rank 1's data stays broken: the ladder escalates
+        x[2, 5] = float("nan")
+    if rank == 1 and step == 3 and scenario.endswith("log_rank1"):  # finite input, NaN from log in the forward
+        x[2, 5] = -1.0
+    if rank == 1 and step == 3 and scenario.endswith("sqrt_rank1"):  # finite forward, NaN born in the backward
+        x[2] = 0.0
+    if rank == 1 and step == 45 and scenario == "loss_spike_rank1":
+        y = y * 100
+    return x, y
+
+
 def wrap(model: nn.Module, scenario: str) -> nn.Module:
     if scenario.startswith("fsdp"):
         from torch.distributed.fsdp import fully_shard
@@ -72,8 +115,7 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
         count_reads(scenario, out_dir)
         return
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = build(scenario)
     ddp = wrap(model, scenario)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     if scenario == "rewatch_nan_rank1":  # an earlier guard registered the comm hook, then closed
@@ -85,14 +127,7 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
     steps = {"loss_spike_rank1": 60, "broken_rank1": 20}.get(scenario, 8)
     raised = raised_step = None
     for step in range(steps):
-        x = torch.randn(16, 8, generator=gen)
-        y = x @ w + 0.1 * torch.randn(16, 1, generator=gen)
-        if rank == 1 and step == 3 and scenario in ("nan_input_rank1", "fsdp_nan_input_rank1", "rewatch_nan_rank1"):
-            x[2, 5] = float("nan")
-        if rank == 1 and step >= 3 and scenario == "broken_rank1":  # rank 1's data stays broken: the ladder escalates
-            x[2, 5] = float("nan")
-        if rank == 1 and step == 45 and scenario == "loss_spike_rank1":
-            y = y * 100
+        x, y = batch(scenario, rank, step, gen, w)
         opt.zero_grad()
         F.mse_loss(ddp(x), y).backward()
         try:
@@ -114,6 +149,11 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
     result = {
         "rank": rank,
         "incidents": [[i.step, i.kind, i.rank, i.action, i.cause, i.op, i.module, i.phase] for i in guard.incidents],
+        "summaries": [i.summary for i in guard.incidents],
+        "details": [{k: v for k, v in i.details.items() if k in ("origin_ranks", "localisation", "localisation_error",
+                                                                 "replayed_unit", "not_replayable")}
+                    for i in guard.incidents],
+        "sources": [i.source for i in guard.incidents],
         "replicas_equal": bool(torch.equal(gathered[0], gathered[1])),
         "finite": bool(torch.isfinite(flat).all()),
         "steps": guard.step,

@@ -121,8 +121,9 @@ class StepJudge:
                 incident.rank = agreement.origin_ranks[0]
                 incident.details["origin_ranks"] = agreement.origin_ranks
                 if watched.rank not in agreement.origin_ranks:
+                    reduction = "reduce-scatter" if watched.sharded else "all-reduce"
                     incident.summary = (f"The non-finite values came from rank {incident.rank} (its own data or "
-                                        f"gradients, before the all-reduce); this rank only received them. " + incident.summary)
+                                        f"gradients, before the {reduction}); this rank only received them. " + incident.summary)
         return Decision(health, incident, block=incident is not None and incident.action != Action.LOGGED,
                         scaler_skip=scaler_skip, grad_index=grad_index)
 
