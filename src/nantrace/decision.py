@@ -51,6 +51,8 @@ class Decision:
     """For each gradient in the step's figures, the index of its parameter in ``Watched.params``."""
     stashed: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
     """The gradients set aside while a blocked update runs; put back after it."""
+    agreement: Agreement | None = None
+    """What the ranks agreed on (``None`` on one process): the same on every rank."""
 
 
 class StepJudge:
@@ -125,7 +127,7 @@ class StepJudge:
                     incident.summary = (f"The non-finite values came from rank {incident.rank} (its own data or "
                                         f"gradients, before the {reduction}); this rank only received them. " + incident.summary)
         return Decision(health, incident, block=incident is not None and incident.action != Action.LOGGED,
-                        scaler_skip=scaler_skip, grad_index=grad_index)
+                        scaler_skip=scaler_skip, grad_index=grad_index, agreement=agreement)
 
     def _agree(self, watched: Watched, health: StepHealth, finding: Finding | None, ranks: StepRound, *,
                via_scaler: bool, device: torch.device) -> tuple[Agreement, Finding | None]:

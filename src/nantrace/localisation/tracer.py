@@ -184,6 +184,9 @@ class OpRecord:
 
 
 _NLL_FORWARD = {"nll_loss_forward", "nll_loss2d_forward"}
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "fsdp", "_dtensor"})
+"""Namespaces of the ops FSDP2 and DTensor issue to move values between ranks (all-gather,
+reduce-scatter and their copy-in/out): the tracer lets them run unobserved."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -244,6 +247,8 @@ class OpTracer(TorchDispatchMode):
     # below do not recurse into it.
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if func.namespace in _COLLECTIVES:  # never an origin; an async output may not be written yet
+            return func(*args, **kwargs)
         node = torch._C._current_autograd_node()
         mutable = func._schema.is_mutable
         pre = self._mutated_flags(func, args, kwargs) if mutable else None
