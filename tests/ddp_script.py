@@ -109,10 +109,46 @@ def count_reads(scenario: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def same_numerics(scenario: str, out_dir: str) -> None:
+    """FSDP2 trained for 6 healthy steps with nantrace watching and without it: the weights must be
+    the same bit for bit; after ``guard.close()`` no parameter group keeps nantrace's reduce-scatter."""
+    from torch.distributed.fsdp import FSDPModule
+
+    rank = dist.get_rank()
+    finals = []
+    for watched in (True, False):
+        model = build("fsdp_sqrt_rank1")
+        wrapped = wrap(model, "fsdp")
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+        guard = nantrace.watch(wrapped, opt, config=nantrace.Config(outputs={"print_incidents": False})) if watched else None
+        gen = torch.Generator().manual_seed(100 + rank)
+        w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+        for step in range(6):
+            x, y = batch("healthy", rank, step, gen, w)
+            opt.zero_grad()
+            F.mse_loss(wrapped(x), y).backward()
+            opt.step()
+        checked = guard.checks_local_grads if guard is not None else None
+        if guard is not None:
+            guard.close()
+        comms = [type(g._reduce_scatter_comm).__name__ for m in wrapped.modules() if isinstance(m, FSDPModule)
+                 for g in m._get_fsdp_state()._fsdp_param_groups]
+        finals.append((torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()]), checked, comms))
+    result = {"rank": rank, "bitwise_equal": bool(torch.equal(finals[0][0], finals[1][0])),
+              "local_grad_check": finals[0][1], "comms_after_close": finals[0][2]}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(scenario: str, policy: str, out_dir: str) -> None:
     dist.init_process_group("gloo")
     if scenario.endswith("_reads"):
         count_reads(scenario, out_dir)
+        return
+    if scenario == "fsdp_numerics":
+        same_numerics(scenario, out_dir)
         return
     rank = dist.get_rank()
     model = build(scenario)
