@@ -60,6 +60,18 @@ def batch(scenario: str, rank: int, step: int, gen: torch.Generator, w: torch.Te
     return x, y
 
 
+def loss_of(scenario: str, rank: int, step: int, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The step's loss; for ``*lossfn_rank1`` the loss code itself takes the log of a weight that is
+    negative on rank 1 at step 3 (the model's outputs stay finite)."""
+    loss = F.mse_loss(out, y)
+    if scenario.endswith("lossfn_rank1"):
+        weights = torch.ones(out.shape[0])
+        if rank == 1 and step == 3:
+            weights[4] = -1.0
+        loss = loss + torch.log(weights).mean()
+    return loss
+
+
 def wrap(model: nn.Module, scenario: str) -> nn.Module:
     if scenario.startswith("fsdp"):
         from torch.distributed.fsdp import fully_shard
@@ -165,7 +177,7 @@ def main(scenario: str, policy: str, out_dir: str) -> None:
     for step in range(steps):
         x, y = batch(scenario, rank, step, gen, w)
         opt.zero_grad()
-        F.mse_loss(ddp(x), y).backward()
+        loss_of(scenario, rank, step, ddp(x), y).backward()
         try:
             opt.step()
         except nantrace.NonFiniteError as exc:

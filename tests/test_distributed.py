@@ -127,7 +127,6 @@ def _one_process_diagnosis(scenario: str) -> tuple[list, str | None]:
     """What nantrace says in one process about rank 1's failing batch of ``scenario``:
     [kind, cause, op, module, phase] and the source line."""
     import torch
-    import torch.nn.functional as F
 
     import nantrace
 
@@ -141,7 +140,7 @@ def _one_process_diagnosis(scenario: str) -> tuple[list, str | None]:
     guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
     try:
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        script.loss_of(scenario, 1, 3, model(x), y).backward()
         opt.step()
         [incident] = guard.incidents
     finally:
@@ -149,35 +148,36 @@ def _one_process_diagnosis(scenario: str) -> tuple[list, str | None]:
     return [incident.kind, incident.cause, incident.op, incident.module, incident.phase], incident.source
 
 
-@pytest.mark.parametrize("origin", ["log", "sqrt"])
-def test_fsdp2_every_rank_replays_and_rank1_names_the_op_it_names_alone_and_under_ddp(tmp_path, origin):
-    """NaN made by rank 1's step only: in its forward (log of a negative value) or in its backward
-    (sqrt at an exact 0: a finite forward, an infinite derivative). Under FSDP2 the reduce-scatter
-    spreads it to rank 0 before any check of the reduced gradients; every rank still names rank 1,
-    skips the same step, and rank 1's diagnosis is the one the same batch gets in one process and
-    under DDP."""
+@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+@pytest.mark.parametrize("origin, op", [("log", "aten.log.default"), ("sqrt", "aten.sqrt.default"),
+                                        ("lossfn", "aten.log.default")])
+def test_rank1_names_the_op_it_names_alone_and_every_rank_skips(tmp_path, origin, op, wrapper):
+    """NaN made by rank 1's step only: in its forward (log of a negative value), in its backward
+    (sqrt at an exact 0: a finite forward, an infinite derivative), or in its loss code (log of a
+    negative weight: under FSDP2 the loss tape is replayed on every rank, agreed by an all-reduce).
+    The reduce-scatter (FSDP2) or all-reduce (DDP) spreads a NaN gradient to rank 0 before any
+    check of the reduced gradients; every rank still names rank 1 and skips the same step, and
+    rank 1's diagnosis is the one the same batch gets in one process. Under FSDP2 every rank
+    replays together (rank 0's collectives meet rank 1's), and nothing hangs (the timeout)."""
     expected, source = _one_process_diagnosis(f"fsdp_{origin}_rank1")
-    assert expected[2] == f"aten.{origin}.default" and expected[1] != "unknown"
-    runs = {}
-    for wrapper in ("fsdp", "ddp"):
-        (tmp_path / wrapper).mkdir()
-        runs[wrapper] = _torchrun(tmp_path / wrapper, f"{wrapper}_{origin}_rank1")
-    for wrapper, results in runs.items():
-        for res in results:
-            assert res["local_grad_check"] is True and res["sharded"] is (wrapper == "fsdp")
-            assert res["replicas_equal"] and res["finite"] and res["steps"] == 8  # training went on
-            [incident] = res["incidents"]
-            assert (incident[0], incident[2], incident[3]) == (3, 1, "skipped"), (wrapper, res)
-            assert res["details"][0]["origin_ranks"] == [1]
-            assert "localisation_error" not in res["details"][0] and "not_replayable" not in res["details"][0]
-        own, received = results[1], results[0]
-        assert own["incidents"][0][1:2] + own["incidents"][0][4:8] == expected, (wrapper, own)
-        assert own["sources"][0] == source
-        assert "came from rank 1" in received["summaries"][0] and "came from rank 1" not in own["summaries"][0]
-        assert received["incidents"][0][1] == "nonfinite_grad" and received["incidents"][0][5] is None
-    # under FSDP2 rank 0 replayed too (its collectives met rank 1's) and says whose incident names the op
-    assert "came from rank 1" in runs["fsdp"][0]["details"][0]["localisation"]
-    assert "localisation" not in runs["fsdp"][1]["details"][0]
+    assert expected[2] == op and expected[1] != "unknown", expected
+    results = _torchrun(tmp_path, f"{wrapper}_{origin}_rank1")
+    for res in results:
+        assert res["local_grad_check"] is True and res["sharded"] is (wrapper == "fsdp")
+        assert res["replicas_equal"] and res["finite"] and res["steps"] == 8  # training went on
+        [incident] = res["incidents"]
+        assert (incident[0], incident[2], incident[3]) == (3, 1, "skipped"), res
+        assert res["details"][0]["origin_ranks"] == [1]
+        assert "localisation_error" not in res["details"][0] and "not_replayable" not in res["details"][0]
+    own, received = results[1], results[0]
+    assert own["incidents"][0][1:2] + own["incidents"][0][4:8] == expected, own
+    assert own["sources"][0] == source
+    assert "came from rank 1" in received["summaries"][0] and "came from rank 1" not in own["summaries"][0]
+    assert received["incidents"][0][1] == ("nonfinite_loss" if origin == "lossfn" else "nonfinite_grad")
+    assert received["incidents"][0][5] is None  # no op of its own
+    if wrapper == "fsdp":  # rank 0 replayed too, and says whose incident names the op
+        assert "came from rank 1" in received["details"][0]["localisation"]
+        assert "localisation" not in own["details"][0]
 
 
 def test_fsdp2_local_gradient_check_keeps_the_numerics_and_close_removes_it(tmp_path):

@@ -144,6 +144,7 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
             and outputs_finite is not False
         if together:  # one rank's wish replays the loss code on every rank; the others discard it
             assert lockstep is not None
+            wants_tape = wants_tape and lockstep.diagnose
             able = tape is not None and tape.usable and bool(tape.losses or tape.loss is not None)
             if lockstep.any(wants_tape) and not lockstep.any(not able):
                 side_tracer = OpTracer(ModuleStack(watched.root), externals)

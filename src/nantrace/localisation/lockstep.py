@@ -40,8 +40,11 @@ __all__ = ["Lockstep", "localise_together"]
 class Lockstep:
     """Collective choices of a replay that every rank runs together (one all-reduce each)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, diagnose: bool) -> None:
         self.device = device
+        self.diagnose = diagnose
+        """This rank's replay names the origin (otherwise it only keeps the others company and
+        asks for nothing more to be replayed)."""
         self.rounds = 0
         """All-reduces issued (each is a host read, on an incident step only)."""
 
@@ -73,7 +76,7 @@ def localise_together(watched: "Watched", incident: "Incident", capture: "StepCa
 
     units = list(capture.calls) or list(capture.forwards)
     device = watched.params[0].device if watched.params else torch.device("cpu")
-    lockstep = Lockstep(device if device.type != "meta" else torch.device("cpu"))
+    lockstep = Lockstep(device if device.type != "meta" else torch.device("cpu"), diagnose=diagnose)
     if not lockstep.same(len(units)) or not units:
         incident.details["localisation"] = ("not replayed: the ranks captured different numbers of forward calls "
                                             "in this step, so a replay together could not stay in step")
