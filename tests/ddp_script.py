@@ -25,6 +25,61 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
+class Log(nn.Module):
+    """log of the batch: NaN in the forward when a value is negative (rank 1's batch only)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+class Magnitude(nn.Module):
+    """The rows' Euclidean norm: finite at an all-zero row, but its derivative there is infinite."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt((h * h).sum(-1, keepdim=True))
+
+
+def build(scenario: str) -> nn.Module:
+    """The scenario's model (seeded: the same weights on every rank and in the test process)."""
+    torch.manual_seed(0)
+    if scenario.endswith("log_rank1"):
+        return nn.Sequential(Log(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    if scenario.endswith("sqrt_rank1"):
+        return nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), Magnitude(), nn.Linear(1, 1))
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def batch(scenario: str, rank: int, step: int, gen: torch.Generator, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's batch of this rank; rank 1's is broken at step 3 (and on, for ``broken_rank1``)."""
+    x = torch.randn(16, 8, generator=gen)
+    y = x @ w + 0.1 * torch.randn(16, 1, generator=gen)
+    if scenario.endswith("log_rank1"):
+        x = x.abs() + 0.5
+    if rank == 1 and step == 3 and scenario in ("nan_input_rank1", "fsdp_nan_input_rank1", "rewatch_nan_rank1"):
+        x[2, 5] = float("nan")
+    if rank == 1 and step >= 3 and scenario == "broken_rank1":  # rank 1's data stays broken: the ladder escalates
+        x[2, 5] = float("nan")
+    if rank == 1 and step == 3 and scenario.endswith("log_rank1"):  # finite input, NaN from log in the forward
+        x[2, 5] = -1.0
+    if rank == 1 and step == 3 and scenario.endswith("sqrt_rank1"):  # finite forward, NaN born in the backward
+        x[2] = 0.0
+    if rank == 1 and step == 45 and scenario == "loss_spike_rank1":
+        y = y * 100
+    return x, y
+
+
+def loss_of(scenario: str, rank: int, step: int, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The step's loss; for ``*lossfn_rank1`` the loss code itself takes the log of a weight that is
+    negative on rank 1 at step 3 (the model's outputs stay finite)."""
+    loss = F.mse_loss(out, y)
+    if scenario.endswith("lossfn_rank1"):
+        weights = torch.ones(out.shape[0])
+        if rank == 1 and step == 3:
+            weights[4] = -1.0
+        loss = loss + torch.log(weights).mean()
+    return loss
+
+
 def wrap(model: nn.Module, scenario: str) -> nn.Module:
     if scenario.startswith("fsdp"):
         from torch.distributed.fsdp import fully_shard
@@ -74,14 +129,49 @@ def count_reads(scenario: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def same_numerics(scenario: str, out_dir: str) -> None:
+    """FSDP2 trained for 6 healthy steps with nantrace watching and without it: the weights must be
+    the same bit for bit; after ``guard.close()`` no parameter group keeps nantrace's reduce-scatter."""
+    from torch.distributed.fsdp import FSDPModule
+
+    rank = dist.get_rank()
+    finals = []
+    for watched in (True, False):
+        model = build("fsdp_sqrt_rank1")
+        wrapped = wrap(model, "fsdp")
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+        guard = nantrace.watch(wrapped, opt, config=nantrace.Config(outputs={"print_incidents": False})) if watched else None
+        gen = torch.Generator().manual_seed(100 + rank)
+        w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+        for step in range(6):
+            x, y = batch("healthy", rank, step, gen, w)
+            opt.zero_grad()
+            F.mse_loss(wrapped(x), y).backward()
+            opt.step()
+        checked = guard.checks_local_grads if guard is not None else None
+        if guard is not None:
+            guard.close()
+        comms = [type(g._reduce_scatter_comm).__name__ for m in wrapped.modules() if isinstance(m, FSDPModule)
+                 for g in m._get_fsdp_state()._fsdp_param_groups]
+        finals.append((torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()]), checked, comms))
+    result = {"rank": rank, "bitwise_equal": bool(torch.equal(finals[0][0], finals[1][0])),
+              "local_grad_check": finals[0][1], "comms_after_close": finals[0][2]}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(scenario: str, policy: str, out_dir: str, bundle_ranks: str | None = None) -> None:
     dist.init_process_group("gloo")
     if scenario.endswith("_reads"):
         count_reads(scenario, out_dir)
         return
+    if scenario == "fsdp_numerics":
+        same_numerics(scenario, out_dir)
+        return
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = make_model()
+    model = build(scenario)
     ddp = wrap(model, scenario)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     if scenario == "rewatch_nan_rank1":  # an earlier guard registered the comm hook, then closed
@@ -94,16 +184,9 @@ def main(scenario: str, policy: str, out_dir: str, bundle_ranks: str | None = No
     steps = {"loss_spike_rank1": 60, "broken_rank1": 20}.get(scenario, 8)
     raised = raised_step = None
     for step in range(steps):
-        x = torch.randn(16, 8, generator=gen)
-        y = x @ w + 0.1 * torch.randn(16, 1, generator=gen)
-        if rank == 1 and step == 3 and scenario in ("nan_input_rank1", "fsdp_nan_input_rank1", "rewatch_nan_rank1"):
-            x[2, 5] = float("nan")
-        if rank == 1 and step >= 3 and scenario == "broken_rank1":  # rank 1's data stays broken: the ladder escalates
-            x[2, 5] = float("nan")
-        if rank == 1 and step == 45 and scenario == "loss_spike_rank1":
-            y = y * 100
+        x, y = batch(scenario, rank, step, gen, w)
         opt.zero_grad()
-        F.mse_loss(ddp(x), y).backward()
+        loss_of(scenario, rank, step, ddp(x), y).backward()
         try:
             opt.step()
         except nantrace.NonFiniteError as exc:
@@ -123,6 +206,11 @@ def main(scenario: str, policy: str, out_dir: str, bundle_ranks: str | None = No
     result = {
         "rank": rank,
         "incidents": [[i.step, i.kind, i.rank, i.action, i.cause, i.op, i.module, i.phase] for i in guard.incidents],
+        "summaries": [i.summary for i in guard.incidents],
+        "details": [{k: v for k, v in i.details.items() if k in ("origin_ranks", "localisation", "localisation_error",
+                                                                 "replayed_unit", "not_replayable")}
+                    for i in guard.incidents],
+        "sources": [i.source for i in guard.incidents],
         "replicas_equal": bool(torch.equal(gathered[0], gathered[1])),
         "finite": bool(torch.isfinite(flat).all()),
         "steps": guard.step,

@@ -195,3 +195,78 @@ def test_fsdp2_nan_on_rank1_is_attributed_and_every_rank_skips(tmp_path):
         assert (incident[0], incident[2], incident[3]) == (3, 1, "skipped")
     assert results[1]["incidents"][0][1] == "nonfinite_input"
     assert results[0]["incidents"][0][1] == "nonfinite_grad"
+
+
+def _script():
+    """tests/ddp_script.py as a module: the scenarios' models and batches, for one-process runs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("nantrace_ddp_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _one_process_diagnosis(scenario: str) -> tuple[list, str | None]:
+    """What nantrace says in one process about rank 1's failing batch of ``scenario``:
+    [kind, cause, op, module, phase] and the source line."""
+    import torch
+
+    import nantrace
+
+    script = _script()
+    model = script.build(scenario)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(101)
+    w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+    for step in range(4):
+        x, y = script.batch(scenario, 1, step, gen, w)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
+    try:
+        opt.zero_grad()
+        script.loss_of(scenario, 1, 3, model(x), y).backward()
+        opt.step()
+        [incident] = guard.incidents
+    finally:
+        guard.close()
+    return [incident.kind, incident.cause, incident.op, incident.module, incident.phase], incident.source
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+@pytest.mark.parametrize("origin, op", [("log", "aten.log.default"), ("sqrt", "aten.sqrt.default"),
+                                        ("lossfn", "aten.log.default")])
+def test_rank1_names_the_op_it_names_alone_and_every_rank_skips(tmp_path, origin, op, wrapper):
+    """NaN made by rank 1's step only: in its forward (log of a negative value), in its backward
+    (sqrt at an exact 0: a finite forward, an infinite derivative), or in its loss code (log of a
+    negative weight: under FSDP2 the loss tape is replayed on every rank, agreed by an all-reduce).
+    The reduce-scatter (FSDP2) or all-reduce (DDP) spreads a NaN gradient to rank 0 before any
+    check of the reduced gradients; every rank still names rank 1 and skips the same step, and
+    rank 1's diagnosis is the one the same batch gets in one process. Under FSDP2 every rank
+    replays together (rank 0's collectives meet rank 1's), and nothing hangs (the timeout)."""
+    expected, source = _one_process_diagnosis(f"fsdp_{origin}_rank1")
+    assert expected[2] == op and expected[1] != "unknown", expected
+    results = _torchrun(tmp_path, f"{wrapper}_{origin}_rank1")
+    for res in results:
+        assert res["local_grad_check"] is True and res["sharded"] is (wrapper == "fsdp")
+        assert res["replicas_equal"] and res["finite"] and res["steps"] == 8  # training went on
+        [incident] = res["incidents"]
+        assert (incident[0], incident[2], incident[3]) == (3, 1, "skipped"), res
+        assert res["details"][0]["origin_ranks"] == [1]
+        assert "localisation_error" not in res["details"][0] and "not_replayable" not in res["details"][0]
+    own, received = results[1], results[0]
+    assert own["incidents"][0][1:2] + own["incidents"][0][4:8] == expected, own
+    assert own["sources"][0] == source
+    assert "came from rank 1" in received["summaries"][0] and "came from rank 1" not in own["summaries"][0]
+    assert received["incidents"][0][1] == ("nonfinite_loss" if origin == "lossfn" else "nonfinite_grad")
+    assert received["incidents"][0][5] is None  # no op of its own
+    if wrapper == "fsdp":  # rank 0 replayed too, and says whose incident names the op
+        assert "came from rank 1" in received["details"][0]["localisation"]
+        assert "localisation" not in own["details"][0]
+
+
+def test_fsdp2_local_gradient_check_keeps_the_numerics_and_close_removes_it(tmp_path):
+    """Six healthy FSDP2 steps with and without nantrace: the same weights bit for bit; after
+    close() every parameter group reduce-scatters through FSDP's own comm again."""
+    for res in _torchrun(tmp_path, "fsdp_numerics"):
+        assert res["local_grad_check"] is True and res["bitwise_equal"] is True
+        assert res["comms_after_close"] and set(res["comms_after_close"]) == {"DefaultReduceScatter"}

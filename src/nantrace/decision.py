@@ -52,6 +52,8 @@ class Decision:
     """For each gradient in the step's figures, the index of its parameter in ``Watched.params``."""
     stashed: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
     """The gradients set aside while a blocked update runs; put back after it."""
+    agreement: Agreement | None = None
+    """What the ranks agreed on (``None`` on one process): the same on every rank."""
 
 
 class StepJudge:
@@ -134,10 +136,11 @@ class StepJudge:
                 incident.rank = agreement.origin_ranks[0]
                 incident.details["origin_ranks"] = agreement.origin_ranks
                 if watched.rank not in agreement.origin_ranks:
+                    reduction = "reduce-scatter" if watched.sharded else "all-reduce"
                     incident.summary = (f"The non-finite values came from rank {incident.rank} (its own data or "
-                                        f"gradients, before the all-reduce); this rank only received them. " + incident.summary)
+                                        f"gradients, before the {reduction}); this rank only received them. " + incident.summary)
         return Decision(health, incident, block=incident is not None and incident.action != Action.LOGGED,
-                        scaler_skip=scaler_skip, grad_index=grad_index)
+                        scaler_skip=scaler_skip, grad_index=grad_index, agreement=agreement)
 
     def _agree(self, watched: Watched, health: StepHealth, finding: Finding | None, ranks: StepRound, *,
                via_scaler: bool, device: torch.device) -> tuple[Agreement, Finding | None]:

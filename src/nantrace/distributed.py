@@ -95,6 +95,19 @@ class Agreement:
     peer_kind: str | None
     """The kind reported by the lowest rank that blocks (for ranks that saw nothing themselves)."""
     peer_rank: int | None
+    kinds: dict[int, str] = dataclasses.field(default_factory=dict)
+    """The kind each blocking rank reported: the same on every rank."""
+
+    @property
+    def replay_together(self) -> bool:
+        """Some rank's incident is one localisation replays (a non-finite value made by the step):
+        under FSDP2 every rank then replays together (``localisation/lockstep.py``)."""
+        return self.block and any(localisable(kind) for kind in self.kinds.values())
+
+
+def localisable(kind: str) -> bool:
+    """An incident kind that a replay of the step can localise."""
+    return kind.startswith("nonfinite") and kind != "nonfinite_param"
 
 
 def agree(*, rank: int, world_size: int, local_origin: bool, local_kind: str | None, device: torch.device) -> Agreement:
@@ -107,12 +120,14 @@ def agree(*, rank: int, world_size: int, local_origin: bool, local_kind: str | N
     host = vec.tolist()
     origins = [r for r in range(world_size) if host[r] > 0]
     blockers = [r for r in range(world_size) if host[world_size + r] > 0]
+    kinds = {r: KINDS[int(host[world_size + r]) - 1] for r in blockers}
     peer = blockers[0] if blockers else None
     return Agreement(
         origin_ranks=origins,
         block=bool(blockers),
-        peer_kind=KINDS[int(host[world_size + peer]) - 1] if peer is not None else None,
+        peer_kind=kinds[peer] if peer is not None else None,
         peer_rank=peer,
+        kinds=kinds,
     )
 
 
@@ -278,7 +293,7 @@ class StepRound:
                 kinds[r] = finding.kind
         peer = blockers[0] if blockers else None
         return Agreement(origin_ranks=origins, block=bool(blockers),
-                         peer_kind=kinds[peer] if peer is not None else None, peer_rank=peer)
+                         peer_kind=kinds[peer] if peer is not None else None, peer_rank=peer, kinds=kinds)
 
 
 def blocks(watched: "Watched", finding: "Finding") -> bool:

@@ -42,6 +42,7 @@ from .distributed import install_local_grad_check, world
 from .dynamics.base import Monitor, StepContext
 from .dynamics.registry import build_monitors
 from .errors import NonFiniteError
+from .fsdp_grad_check import watch_fsdp_local_grads
 from .incident import Incident
 from .patches import BACKWARD, EXCEPTHOOK, PatchUnit
 from .reporting import Reporter
@@ -110,7 +111,7 @@ class Guard:
         params = [p for p in params if p.requires_grad]
         param_names = [names.get(id(p), f"param[{i}]") for i, p in enumerate(params)]
         self.sharded = any(hasattr(p, "to_local") for p in params)
-        """Parameters are DTensor shards (FSDP2): norms are combined across ranks; no replay."""
+        """Parameters are DTensor shards (FSDP2): norms are combined across ranks; every rank replays together."""
         self.store: RunStore | None = RunStore(self.run_dir) if self.run_dir is not None else None
         self.watched = Watched(model=model, root=self.root, optimizer=optimizer, scaler=scaler, params=params,
                                param_names=param_names, run_dir=self.run_dir, store=self.store, config=config,
@@ -191,7 +192,10 @@ class Guard:
             patch_scaler(self, self._patches)
         self._patches.listen(BACKWARD, rec.on_loss)
         self._patches.listen(EXCEPTHOOK, self.diagnose_exception)
-        self.checks_local_grads = self.world_size > 1 and install_local_grad_check(self)
+        fsdp_check = watch_fsdp_local_grads(self) if self.sharded and self.world_size > 1 else None
+        if fsdp_check is not None:
+            self._handles.append(fsdp_check)  # removed by close()
+        self.checks_local_grads = fsdp_check is not None or (self.world_size > 1 and install_local_grad_check(self))
 
     def _sync_free_mode(self) -> SyncFree | None:
         choice = self.config.detection.sync_free

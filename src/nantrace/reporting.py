@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import console
 from .capture import StepCapture
+from .distributed import localisable
 from .errors import NonFiniteError
 from .incident import Incident
 from .taxonomy import DATA_INCIDENT_CAUSES, STOPPING_ACTIONS, Action, Cause, Kind, Phase
@@ -75,11 +76,15 @@ class Reporter:
             return
         origins = incident.details.get("origin_ranks")
         here = origins is None or watched.rank in origins
-        if watched.sharded:
-            incident.details["localisation"] = ("not replayed: under FSDP2 the forward issues collectives, which a "
-                                                "replay on one rank would deadlock")
-        elif cfg.localisation.localise and here and incident.kind.startswith("nonfinite") \
-                and incident.kind != "nonfinite_param" and "peer_rank" not in incident.details:
+        wanted = here and localisable(incident.kind) and "peer_rank" not in incident.details
+        agreement = decision.agreement
+        if watched.sharded and agreement is not None:
+            if cfg.localisation.localise and agreement.replay_together:  # the same verdict on every rank
+                from .localisation.lockstep import localise_together
+
+                localise_together(watched, incident, self._capture(), diagnose=wanted,
+                                  origin_rank=origins[0] if origins else agreement.peer_rank)
+        elif cfg.localisation.localise and wanted:
             from .localisation.localiser import localise_incident
 
             localise_incident(watched, incident, self._capture())

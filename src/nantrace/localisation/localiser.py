@@ -28,17 +28,23 @@ from .tracer import OpRecord, OpTracer
 if TYPE_CHECKING:
     from ..watched import Watched
     from ..incident import Incident
+    from .lockstep import Lockstep
 
 
 class NotReplayable(Exception):
     """The user's forward raised when re-run from the captured state; ``__cause__`` is its exception."""
 
 
-def localise_incident(watched: "Watched", incident: "Incident", capture: StepCapture) -> None:
-    """Fill in ``incident`` from a replay of the step; never raises into the training loop."""
+def localise_incident(watched: "Watched", incident: "Incident", capture: StepCapture, *,
+                      lockstep: "Lockstep | None" = None) -> None:
+    """Fill in ``incident`` from a replay of the step; never raises into the training loop.
+
+    ``lockstep``: every rank runs this replay together (FSDP2, ``lockstep.py``): each unit is
+    replayed forward and backward on every rank, and rank-dependent choices are agreed.
+    """
     start = time.perf_counter()
     try:
-        _localise(watched, incident, capture)
+        _localise(watched, incident, capture, lockstep)
     except NotReplayable as exc:
         cause = exc.__cause__
         incident.details["not_replayable"] = f"{type(cause).__name__}: {cause}"
@@ -81,7 +87,7 @@ def _is_low_precision(watched: "Watched", unit: Any) -> bool:
     return any(t.dtype in LOW_PRECISION for t in floating_tensors((unit.args, unit.kwargs)))
 
 
-def _localise(watched: "Watched", incident: "Incident", capture: StepCapture) -> None:
+def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lockstep: "Lockstep | None") -> None:
     units: list[Any] = list(capture.calls) or list(capture.forwards)
     if not units:
         incident.details["localisation"] = "nothing to replay: no forward of the watched model ran in this step"
@@ -103,13 +109,17 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture) ->
     tape = capture.tape if not replayable else None
     # The loss was non-finite while the model's outputs were finite: the loss code is where it began.
     loss_side = incident.kind == "nonfinite_loss" and outputs_finite is True and tape is not None and tape.usable
+    together = lockstep is not None
     with rerun_scope(watched):
         for index, unit in enumerate(units):
+            if observed_in is not None:  # found (lockstep only): keep replaying with the other ranks
+                run_unit(watched, unit, together=True)
+                continue
             modules = ModuleStack(watched.root)
             tracer = OpTracer(modules, externals)
             try:
                 with modules, tracer:
-                    result = run_unit(watched, unit)
+                    result = run_unit(watched, unit, together=together)
                     tracer.flush()
             except Exception as exc:  # the user's code raised on re-run: the step cannot be replayed
                 raise NotReplayable(exc) from exc
@@ -128,15 +138,34 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture) ->
                 continue
             failing_unit = unit
             incident.details["replayed_unit"] = index
-            break
-        if observed_in in (None, "loss_function") and tape is not None and tape.usable \
-                and outputs_finite is not False:
+            if not together:
+                break
+        wants_tape = observed_in in (None, "loss_function") and tape is not None and tape.usable \
+            and outputs_finite is not False
+        if together:  # one rank's wish replays the loss code on every rank; the others discard it
+            assert lockstep is not None
+            wants_tape = wants_tape and lockstep.diagnose
+            able = tape is not None and tape.usable and bool(tape.losses or tape.loss is not None)
+            if lockstep.any(wants_tape) and not lockstep.any(not able):
+                side_tracer = OpTracer(ModuleStack(watched.root), externals)
+                with side_tracer.modules, side_tracer:
+                    side = replay_step(watched, units, tape, side_tracer, together=True)
+                if not wants_tape:
+                    side_tracer = None
+            elif wants_tape:
+                incident.details["loss_code"] = "not replayed: another rank could not replay its loss code"
+                wants_tape = False
+        if wants_tape:
             # The model replays finite: the failure was born in the loss code. Replay the whole step,
             # forwards and loss tape in one graph, then its backward into the parameters.
-            modules = ModuleStack(watched.root)
-            tracer = OpTracer(modules, externals)
-            with modules, tracer:
-                taped = replay_step(watched, units, tape, tracer)
+            assert tape is not None
+            if together:
+                tracer, taped = side_tracer, side
+            else:
+                modules = ModuleStack(watched.root)
+                tracer = OpTracer(modules, externals)
+                with modules, tracer:
+                    taped = replay_step(watched, units, tape, tracer)
             incident.details["loss_code_replayed"] = len(tape.entries)
             if taped.error is not None:
                 loss_error = f"{type(taped.error).__name__}: {taped.error}"
@@ -151,7 +180,10 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture) ->
             incident.details["loss_code"] = ("not replayable: " + ("more than the tape's limit of calls"
                                              if tape.truncated else "the loss code left no tape"))
         incident.details["ops_replayed"] = tracer.ops_seen if tracer is not None else 0
-        if observed_in is not None and failing_unit is not None and failing_unit is not tape and watched.config.localisation.precision_check \
+        if together and observed_in is not None and failing_unit is not None and failing_unit is not tape \
+                and watched.config.localisation.precision_check and _is_low_precision(watched, failing_unit):
+            incident.details["float32_rerun"] = "not run: under FSDP2 the replay runs on every rank together"
+        elif observed_in is not None and failing_unit is not None and failing_unit is not tape and watched.config.localisation.precision_check \
                 and _is_low_precision(watched, failing_unit):
             with float32_model(watched.root):
                 r32 = run_unit(watched, failing_unit, full_precision=True, backward=observed_in == "backward")

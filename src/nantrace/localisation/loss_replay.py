@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..capture import floating_tensors
 from ..loss_tape import LossTape, Ref, tensors_of
 from ..storage.tape_codec import OutputRef
-from .rerun import run_unit
+from .rerun import grad_targets, run_unit
 from .tracer import OpTracer
 
 if TYPE_CHECKING:
@@ -84,8 +84,12 @@ class _Decoder:
 
 
 def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tracer: OpTracer, *,
-                backward: bool = True) -> StepResult:
-    """Replay the step's forwards and its loss tape in one graph (inside the tracer and a module stack)."""
+                backward: bool = True, together: bool = False) -> StepResult:
+    """Replay the step's forwards and its loss tape in one graph (inside the tracer and a module stack).
+
+    ``together``: every rank replays in lockstep (FSDP2): the backward runs even from a non-finite
+    loss, so that its collectives meet the other ranks'; the result reads as without it.
+    """
     replaced: dict[int, torch.Tensor] = {}
     shared: set[int] = set()
     unit_outputs: list[list[torch.Tensor]] = []
@@ -129,17 +133,19 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
     if not refs:
         return StepResult(None, outputs_finite, None, None, outputs_finite)
     losses = [decode.values[r.entry][r.slot] for r in refs]
-    for loss in losses:  # gradient accumulation: each micro-batch's loss, in order
-        if not bool(torch.isfinite(loss.detach()).all()):
-            return StepResult(loss, False, None, None, outputs_finite)
+    bad_loss = next((loss for loss in losses if not bool(torch.isfinite(loss.detach()).all())), None)
+    if bad_loss is not None and not together:  # gradient accumulation: the first bad micro-batch loss
+        return StepResult(bad_loss, False, None, None, outputs_finite)
     loss = losses[0] if len(losses) == 1 else torch.stack([l.reshape(()) for l in losses if l.requires_grad]).sum() \
         if any(l.requires_grad for l in losses) else losses[-1]
     if not backward or not loss.requires_grad:
-        return StepResult(loss, True, None, None, outputs_finite)
-    leaves = [p for p in watched.params if p.requires_grad] + decode.leaves + [
+        return StepResult(bad_loss if bad_loss is not None else loss, bad_loss is None, None, None, outputs_finite)
+    leaves = grad_targets(watched, [loss]) + decode.leaves + [
         t for unit in units for t in floating_tensors((unit.args, unit.kwargs)) if t.requires_grad and t.is_leaf]
     if not leaves:
-        return StepResult(loss, True, None, None, outputs_finite)
+        return StepResult(loss, bad_loss is None, None, None, outputs_finite)
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    if bad_loss is not None:
+        return StepResult(bad_loss, False, None, None, outputs_finite)
     return StepResult(loss, True, all(bool(torch.isfinite(g).all()) for g in grads if g is not None), None,
                       outputs_finite)

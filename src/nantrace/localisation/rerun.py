@@ -110,8 +110,35 @@ def _upcast(obj: Any) -> Any:
     return obj
 
 
-def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, backward: bool = True) -> UnitResult:
-    """Replay one unit from its recorded state. Call inside :func:`rerun_scope`."""
+def grad_targets(watched: "Watched", roots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters a replay differentiates: the watched ones; under FSDP2 the parameters the
+    replayed graph actually used (the unsharded ones FSDP gathered), found by walking the graph
+    from ``roots``. ``torch.autograd.grad`` on them reads this rank's own gradients, before any
+    reduction, and leaves every ``.grad`` (and so FSDP's reduce-scatter) alone."""
+    if not watched.sharded:
+        return [p for p in watched.params if p.requires_grad]
+    found: dict[int, torch.Tensor] = {}
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)  # an AccumulateGrad node
+        if isinstance(leaf, nn.Parameter) and leaf.requires_grad:
+            found.setdefault(id(leaf), leaf)
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return list(found.values())
+
+
+def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, backward: bool = True,
+             together: bool = False) -> UnitResult:
+    """Replay one unit from its recorded state. Call inside :func:`rerun_scope`.
+
+    ``together``: every rank replays in lockstep (FSDP2), so the backward runs whatever this
+    rank finds (its all-gathers must meet the other ranks'); the result reads as without it.
+    """
     unit.rng.restore()
     if unit.buffers:
         with torch.no_grad():
@@ -136,9 +163,11 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
             result = watched.root(*args, **kwargs)
     observed = floating_tensors(result)
     forward_finite = all(bool(torch.isfinite(t).all()) for t in observed)
+    if together and backward:
+        return _backward_together(watched, unit, observed, forward_finite, full_precision)
     if not forward_finite or not backward:
         return UnitResult(observed, forward_finite, None, None)
-    params = [p for p in watched.params if p.requires_grad]
+    params = grad_targets(watched, observed)
     if isinstance(unit, CallRecord):
         roots = [t for t in observed if t.requires_grad and t.numel() == 1][:1]
         grad_outputs: list[torch.Tensor] | None = None
@@ -158,4 +187,40 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
         return UnitResult(observed, True, None, output_grads_finite, error="no gradient to replay")
     grads = torch.autograd.grad(roots, params, grad_outputs=grad_outputs, allow_unused=True)
     grads_finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+    return UnitResult(observed, True, grads_finite, output_grads_finite)
+
+
+def _roots(unit: Unit, observed: list[torch.Tensor], full_precision: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """What the unit's backward starts from: a replayable call's scalar loss, or the forward's
+    outputs with the gradients that reached them in the real step."""
+    if isinstance(unit, CallRecord):
+        return [t for t in observed if t.requires_grad and t.numel() == 1][:1], None
+    recorded = dict(unit.output_grads)
+    roots, grad_outputs = [], []
+    for i, t in enumerate(observed):
+        if i in recorded and t.requires_grad:
+            g = recorded[i]
+            roots.append(t)
+            grad_outputs.append(g.float() if full_precision and g.dtype != t.dtype else g.to(t.dtype))
+    return roots, grad_outputs
+
+
+def _backward_together(watched: "Watched", unit: Unit, observed: list[torch.Tensor], forward_finite: bool,
+                       full_precision: bool) -> UnitResult:
+    """The backward of a lockstep replay: always run (non-finite values included), judged afterwards
+    exactly as :func:`run_unit` judges a replay on its own."""
+    roots, grad_outputs = _roots(unit, observed, full_precision)
+    output_grads_finite = None if grad_outputs is None or not grad_outputs else all(
+        bool(torch.isfinite(g).all()) for g in grad_outputs)
+    grads_finite = None
+    targets = grad_targets(watched, roots) if roots else []
+    if targets:
+        grads = torch.autograd.grad(roots, targets, grad_outputs=grad_outputs, allow_unused=True)
+        grads_finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+    if not forward_finite:
+        return UnitResult(observed, False, None, None)
+    if output_grads_finite is False:
+        return UnitResult(observed, True, None, False)
+    if not roots:
+        return UnitResult(observed, True, None, output_grads_finite, error="no gradient to replay")
     return UnitResult(observed, True, grads_finite, output_grads_finite)

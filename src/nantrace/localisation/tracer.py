@@ -45,6 +45,15 @@ def _nan_inf(t: torch.Tensor) -> tuple[bool, bool]:
     return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
 
 
+def readable(t: torch.Tensor) -> bool:
+    """Whether the tensor's storage still holds its elements: FSDP2 frees the storage of an
+    unsharded parameter (resizes it to 0 bytes) when it reshards, and a replay may still hold it."""
+    if t.numel() == 0:
+        return True
+    extent = t.storage_offset() + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() >= extent * t.element_size()
+
+
 def format_source(filename: str, lineno: int) -> str:
     """``path:LINE``, relative to the working directory when the file lies below it."""
     try:
@@ -79,7 +88,7 @@ def tensor_stats(t: torch.Tensor, arg: str) -> dict[str, Any]:
     """dtype, shape, min, max, smallest |x|, counts of zeros, negatives, NaN and Inf."""
     out: dict[str, Any] = {"arg": arg, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
     x = t.detach()
-    if x.numel() == 0:
+    if x.numel() == 0 or not readable(x):
         return out
     if x.is_floating_point():
         x = x.double()
@@ -184,6 +193,13 @@ class OpRecord:
 
 
 _NLL_FORWARD = {"nll_loss_forward", "nll_loss2d_forward"}
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "fsdp", "_dtensor"})
+"""Namespaces of the ops FSDP2 and DTensor issue to move values between ranks (all-gather,
+reduce-scatter and their copy-in/out): the tracer lets them run unobserved."""
+_UNINITIALISED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                            "aten::new_empty_strided", "aten::resize_"})
+"""Ops whose output holds whatever the memory held (FSDP2 allocates its all-gather buffers so,
+inside the backward's hooks): a NaN bit pattern there is no value of the step."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -244,6 +260,8 @@ class OpTracer(TorchDispatchMode):
     # below do not recurse into it.
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if func.namespace in _COLLECTIVES or func._schema.name in _UNINITIALISED:  # never an origin
+            return func(*args, **kwargs)
         node = torch._C._current_autograd_node()
         mutable = func._schema.is_mutable
         pre = self._mutated_flags(func, args, kwargs) if mutable else None
