@@ -31,7 +31,13 @@ def wrap(model: nn.Module, scenario: str) -> nn.Module:
 
 def train(scenario: str, sync_free: bool, rank: int, run_dir: str) -> dict:
     torch.manual_seed(0)
-    model = wrap(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)), scenario)
+    if scenario.endswith("_rank1"):  # ddp_script's models: a NaN born in rank 1's forward (log) or backward (sqrt)
+        import ddp_script
+
+        model = wrap(ddp_script.build(scenario), scenario.split("_")[0])
+        w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+    else:
+        model = wrap(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)), scenario)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     cfg = nantrace.Config(outputs={"print_incidents": False}, detection={"sync_free": sync_free})
     guard = nantrace.watch(model, opt, run_dir=run_dir, config=cfg)
@@ -39,9 +45,12 @@ def train(scenario: str, sync_free: bool, rank: int, run_dir: str) -> dict:
     reads = []
     with HostReadCounter() as counter:
         for step in range(12):
-            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
-            if step == 5 and rank == 1:
-                x[2, 3] = float("nan")
+            if scenario.endswith("_rank1"):
+                x, y = ddp_script.batch(scenario, rank, step, gen, w)  # broken at step 3 on rank 1
+            else:
+                x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+                if step == 5 and rank == 1:
+                    x[2, 3] = float("nan")
             counter.reset()
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()
@@ -52,7 +61,7 @@ def train(scenario: str, sync_free: bool, rank: int, run_dir: str) -> dict:
     gathered = [torch.zeros_like(flat) for _ in range(2)]
     dist.all_gather(gathered, flat)
     return {
-        "incidents": [[i.step, i.kind, i.rank, str(i.action), i.cause] for i in guard.incidents],
+        "incidents": [[i.step, i.kind, i.rank, str(i.action), i.cause, i.op, i.module, i.source] for i in guard.incidents],
         "reads": reads,
         "replicas_equal": bool(torch.equal(gathered[0], gathered[1])),
         "weights": flat.tolist(),

@@ -267,16 +267,28 @@ def test_divergence_firing_ranges_agree_with_the_detector_itself():
     assert agree == 120 * 100 * 6 and fired > 5000  # the verdicts that fire are well represented
 
 
-@pytest.mark.parametrize("scenario", ["ddp", "fsdp"])
+RANK1 = {  # scenario -> (bad step, rank 1's incident: kind, cause, op, module)
+    "ddp": (5, ("nonfinite_input", "nonfinite_input", None, None)),
+    "fsdp": (5, ("nonfinite_input", "nonfinite_input", None, None)),
+    "fsdp_log_rank1": (3, ("nonfinite_loss", "log_nonpositive", "aten.log.default", "0")),
+    "fsdp_sqrt_rank1": (3, ("nonfinite_grad", "grad_singularity", "aten.sqrt.default", "2")),
+    "ddp_sqrt_rank1": (3, ("nonfinite_grad", "grad_singularity", "aten.sqrt.default", "2")),
+}
+
+
+@pytest.mark.parametrize("scenario", list(RANK1))
 def test_two_gloo_ranks_sync_free_matches_sync_with_zero_reads(tmp_path, scenario):
-    """A NaN in rank 1's batch only: every rank skips the same step on the device (DDP: the
+    """A NaN made by rank 1's step only: every rank skips the same step on the device (DDP: the
     verdicts ride in the step's all-reduce; FSDP2: judged on the global norms it yields, then
-    combined by one more all-reduce on the device), the incident names rank 1 on both ranks, the
-    weights equal the synchronous run's and each other's, and no step after the first reads the host."""
+    combined by one more all-reduce on the device); read one step later, the incident names rank 1
+    on both ranks and is localised on rank 1 (every rank replaying together under FSDP2) exactly as
+    the synchronous run localises it; the weights equal the synchronous run's and each other's, and
+    no step after the first reads the host."""
     from pathlib import Path
 
     from test_distributed import _torchrun
 
+    bad, expected = RANK1[scenario]
     results = _torchrun(tmp_path, scenario, script=Path(__file__).with_name("sync_free_script.py"))
     for res in results:
         sync, free = res["sync"], res["free"]
@@ -284,9 +296,10 @@ def test_two_gloo_ranks_sync_free_matches_sync_with_zero_reads(tmp_path, scenari
         assert free["replicas_equal"] and sync["replicas_equal"]
         assert free["weights"] == sync["weights"]
         assert free["incidents"] == sync["incidents"]
-        assert [i[:3] for i in free["incidents"]] == [[5, free["incidents"][0][1], 1]]
-        # healthy steps (the incident's own reads, bundle and localisation, come at step 5, or 6 when read late)
-        assert sync["reads"][:5] + sync["reads"][6:] == [1] * 11
-        assert free["reads"][:6] + free["reads"][7:] == [1] + [0] * 10
-    assert results[1]["free"]["incidents"][0][1] == "nonfinite_input"
+        assert [i[:3] for i in free["incidents"]] == [[bad, free["incidents"][0][1], 1]]
+        # healthy steps (the incident's own reads, bundle and localisation, come at its step, or the next when read late)
+        assert sync["reads"][:bad] + sync["reads"][bad + 1:] == [1] * 11
+        assert free["reads"][:bad + 1] + free["reads"][bad + 2:] == [1] + [0] * 10
+    kind, cause, op, module = expected
+    assert results[1]["free"]["incidents"][0][1] == kind and results[1]["free"]["incidents"][0][4:7] == [cause, op, module]
     assert results[0]["free"]["incidents"][0][1] == "nonfinite_grad"  # rank 0 only received them
