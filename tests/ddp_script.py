@@ -162,6 +162,35 @@ def same_numerics(scenario: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def raise_together(scenario: str, out_dir: str) -> None:
+    """Every rank's loss code raises at step 2 (a class index out of range): under FSDP2 the
+    exception is recorded without a replay (one rank replaying alone could wait in collectives
+    the others are not in), and no rank hangs."""
+    rank = dist.get_rank()
+    wrapped = wrap(build(scenario), scenario)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    guard = nantrace.watch(wrapped, opt, config=nantrace.Config(outputs={"print_incidents": False}))
+    gen = torch.Generator().manual_seed(100 + rank)
+    raised = None
+    try:
+        with guard:
+            for step in range(4):
+                x = torch.randn(16, 8, generator=gen)
+                target = torch.randint(0, 1, (16,)) + (5 if step == 2 else 0)  # one output: only class 0 exists
+                opt.zero_grad()
+                F.cross_entropy(wrapped(x), target).backward()
+                opt.step()
+    except IndexError as exc:
+        raised = str(exc)
+    result = {"rank": rank, "raised": raised, "steps": guard.step,
+              "incidents": [[i.step, i.kind, i.cause, i.details.get("localisation"), i.details.get("exception")]
+                            for i in guard.incidents]}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(scenario: str, policy: str, out_dir: str, bundle_ranks: str | None = None) -> None:
     dist.init_process_group("gloo")
     if scenario.endswith("_reads"):
@@ -169,6 +198,9 @@ def main(scenario: str, policy: str, out_dir: str, bundle_ranks: str | None = No
         return
     if scenario == "fsdp_numerics":
         same_numerics(scenario, out_dir)
+        return
+    if scenario == "fsdp_raise_together":
+        raise_together(scenario, out_dir)
         return
     rank = dist.get_rank()
     model = build(scenario)

@@ -270,3 +270,15 @@ def test_fsdp2_local_gradient_check_keeps_the_numerics_and_close_removes_it(tmp_
     for res in _torchrun(tmp_path, "fsdp_numerics"):
         assert res["local_grad_check"] is True and res["bitwise_equal"] is True
         assert res["comms_after_close"] and set(res["comms_after_close"]) == {"DefaultReduceScatter"}
+
+
+def test_fsdp2_an_exception_is_recorded_without_a_lone_replay_and_nothing_hangs(tmp_path):
+    """Under FSDP2 a replay issues collectives: a rank that raised must not replay alone. Every
+    rank records the exception (kind ``exception``, "not replayed") and the job ends."""
+    results = _torchrun(tmp_path, "fsdp_raise_together")
+    for res in results:
+        assert res["raised"] is not None and "out of bounds" in res["raised"]
+        [incident] = res["incidents"]
+        step, kind, cause, localisation, exception = incident
+        assert (step, kind, cause) == (2, "exception", "unknown")
+        assert localisation.startswith("not replayed: under FSDP2") and exception.startswith("IndexError")

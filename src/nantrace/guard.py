@@ -457,6 +457,18 @@ class Guard:
         from .localisation.exceptions import diagnose_exception, is_value_message
 
         incident = self.reporter.new(kind="exception", cause="unknown", summary="", fix="", action=Action.RAISED)
+        if self.sharded and self.world_size > 1:  # one rank raised: the others wait in collectives of their own
+            if not is_value_message(str(exc)):
+                return None
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            incident.details["exception"] = f"{type(exc).__name__}: {first}"
+            incident.details["localisation"] = ("not replayed: under FSDP2 a replay issues collectives, and the other "
+                                                "ranks are not in them when one rank raises")
+            incident.summary = f"The step raised {type(exc).__name__}: {first}"
+            incident.fix = "Re-run the failing batch on one process (or under DDP) to localise the value that raised."
+            self.reporter.record(incident, announce=announce)
+            self.recorder.reset()
+            return incident
         try:
             with torch.no_grad():
                 found = diagnose_exception(self.watched, incident, self.recorder.capture, exc)
