@@ -8,6 +8,9 @@ batches in the same order, AdamW), on the CPU:
 - ``nantrace_store``  the same with ``run_dir=`` a temporary directory: the run store's rows
                       (one step row and the per-layer rows, one SQLite transaction) every step
 - ``nantrace_notape`` the defaults without the loss tape (``localisation.record_loss_code=False``)
+- ``nantrace_sync``   the defaults with ``detection.sync_free=False``: with ``--fused`` (every
+                      variant's AdamW fused, where nantrace's default decides each step on the
+                      device, docs/sync_free.md), the synchronous check to compare it with
 - ``detect_anomaly``  the same loop inside ``torch.autograd.detect_anomaly(check_nan=True)``
 - ``hf_debug``        ``transformers.debug_utils.DebugUnderflowOverflow(model)`` attached
 
@@ -29,6 +32,7 @@ Usage::
     python benchmarks/overhead.py                        # everything, ~8-10 min on 2 idle cores
     python benchmarks/overhead.py --models gpt --variants plain,nantrace --rounds 40
     python benchmarks/overhead.py --no-memory --json runs/bench/overhead.json
+    python benchmarks/overhead.py --fused --variants plain,nantrace,nantrace_sync --no-memory   # sync-free vs sync
 
     # prints, per model and variant (figures here are illustrative):
     #  model  variant    median ms  IQR ms          × plain: medians  per round [95% CI]    mean ms  × plain: means [95% CI]
@@ -72,8 +76,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from models import CASES, BenchCase, num_parameters  # noqa: E402
 
-VARIANTS = ("plain", "nantrace", "nantrace_store", "nantrace_notape", "detect_anomaly", "hf_debug")
-GUARDED = ("nantrace", "nantrace_store", "nantrace_notape")
+VARIANTS = ("plain", "nantrace", "nantrace_store", "nantrace_notape", "nantrace_sync", "detect_anomaly", "hf_debug")
+GUARDED = ("nantrace", "nantrace_store", "nantrace_notape", "nantrace_sync")
+FUSED_ENV = "NANTRACE_BENCH_FUSED"
+"""Set to 1 by ``--fused``: every variant's AdamW is fused (an environment variable, so workers inherit it)."""
 """Variants under ``nantrace.watch``: defaults, and defaults plus a run directory (SQLite rows every step)."""
 DEFAULT_STEPS = {"gpt": 5, "cnn": 15, "mlp": 30}
 """Timed steps per variant block, per model (``--steps-per-round`` overrides all)."""
@@ -203,6 +209,8 @@ class Runner:
             config = None
             if self.variant == "nantrace_notape":  # the loss tape's share of the overhead
                 config = nantrace.Config(localisation={"record_loss_code": False})
+            if self.variant == "nantrace_sync":  # the synchronous check, where sync-free would be the default
+                config = nantrace.Config(detection={"sync_free": False})
             t0 = time.perf_counter()
             self._tool = nantrace.watch(self.model, self.optimizer, run_dir=run_dir, config=config)
             if torch.autograd.backward is _ORIGINAL_AUTOGRAD_BACKWARD:
@@ -256,7 +264,7 @@ class Runner:
 def make_runner(case: BenchCase, variant: str, seed: int) -> Runner:
     model = copy.deepcopy(case.build(seed=seed))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=os.environ.get(FUSED_ENV) == "1" or None)
     return Runner(variant, case, model, opt, case.batches(N_BATCHES, seed=seed + 1))
 
 
@@ -864,6 +872,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="re-run under fixed glibc malloc settings (see TIMING_MALLOC_ENV) so every process allocates "
                         "alike (default on; --no-fixed-malloc keeps the environment's)")
     p.add_argument("--quiet", action="store_true", help="no per-round progress lines on stderr")
+    p.add_argument("--fused", action="store_true",
+                   help="fused AdamW in every variant (nantrace's default then decides each step on the device)")
     p.add_argument("--_mem-child", nargs=2, metavar=("MODEL", "VARIANT"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--_worker", nargs=2, metavar=("MODEL", "VARIANT"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -885,6 +895,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.fused:
+        os.environ[FUSED_ENV] = "1"
     if (argv is None and args.fixed_malloc and not args._worker and not args._mem_child
             and any(os.environ.get(k) != v for k, v in TIMING_MALLOC_ENV.items())):
         sys.stdout.flush()
