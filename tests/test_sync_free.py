@@ -303,3 +303,32 @@ def test_two_gloo_ranks_sync_free_matches_sync_with_zero_reads(tmp_path, scenari
     kind, cause, op, module = expected
     assert results[1]["free"]["incidents"][0][1] == kind and results[1]["free"]["incidents"][0][4:7] == [cause, op, module]
     assert results[0]["free"]["incidents"][0][1] == "nonfinite_grad"  # rank 0 only received them
+
+
+def test_an_update_beyond_its_proven_bound_is_withheld_and_reported():
+    """Spikes only logged (finite_anomaly_action='log'), then a gradient of norm ~1e30 at step 10:
+    Adam's second moment would overflow float32. The device withholds the update (beyond the
+    largest norm the update is proven finite for) and the host reports it; the synchronous mode
+    applies it, finds the state non-finite and undoes it: the same weights either way."""
+    def run(sync_free: bool) -> tuple[dict, list]:
+        torch.manual_seed(0)
+        model = _mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        cfg = nantrace.Config(outputs={"print_incidents": False}, detection={"sync_free": sync_free},
+                              response={"finite_anomaly_action": "log"})
+        guard = nantrace.watch(model, opt, config=cfg)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(14):
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+            opt.zero_grad()
+            (F.mse_loss(model(x), y) * (1e30 if step == 10 else 1.0)).backward()
+            opt.step()
+        guard.close()
+        return model.state_dict(), [(i.step, i.kind, i.cause, i.phase, i.action, i.details.get("sync_free"))
+                                    for i in guard.incidents if i.action != "logged"]
+
+    sync_state, sync_incidents = run(False)
+    free_state, free_incidents = run(True)
+    assert all(torch.equal(sync_state[k], free_state[k]) for k in sync_state)
+    assert sync_incidents == [(10, "optimizer_state", "optimizer_state", "optimizer", "skipped", None)]
+    assert free_incidents == [(10, "grad_explosion", "gradient_explosion", "backward", "skipped", "withheld on the device")]

@@ -36,7 +36,7 @@ from torch import nn
 
 from ._scaler_hooks import patch_scaler
 from .config import Config
-from .decision import Decision, StepJudge, gradients
+from .decision import Decision, StepJudge
 from .detection.scaler import ScalerMonitor, replay_at_scale_one
 from .distributed import install_local_grad_check, world
 from .dynamics.base import Monitor, StepContext
@@ -52,7 +52,7 @@ from .response.precision import PrecisionFallback
 from .response.rollback_policy import RollbackPolicy
 from .response.update_check import UpdateCheck
 from .step_capture import StepRecorder
-from .sync_free import SyncFree, blocked_by_finite_anomalies, ineligible
+from .sync_free import SyncFree, ineligible, reconcile
 from .storage.runstore import RunStore
 from .taxonomy import Action
 from .watched import GuardState, Watched
@@ -324,24 +324,14 @@ class Guard:
     def _check_step(self) -> Decision | None:
         """Decide this step: on the device when the sync-free mode can (``None`` then: the verdict
         is with the optimizer), otherwise with the step's one host read."""
-        sf = self.sync_free
-        if sf is not None:
-            why = sf.why_sync(self.recorder.capture)
-            bounds = None
-            if why is None:
-                last = self.reporter.history[-1] if self.reporter.history else self._last_row
-                bounds = sf.bounds(finite_blocks=blocked_by_finite_anomalies(self.watched),
-                                   health_hint=(last["grad_norm"], last["param_norm"]) if last else (None, None))
-                if bounds is None:
-                    why = "the update could not be proven finite from the run's figures (checked after it instead)"
-            if bounds is not None:
-                grads, grad_index = gradients(self.watched.params)
-                with torch.no_grad():
-                    sf.stage(self.recorder.capture, bounds, grads=grads, grad_index=grad_index, lrs=self._lrs())
+        if self.sync_free is not None:
+            last = self.reporter.history[-1] if self.reporter.history else self._last_row
+            with torch.no_grad():
+                staged = self.sync_free.try_stage(self.recorder.capture, last, self._lrs)
+            if staged:
                 self._device_step = True
                 self._decision = None
                 return None
-            sf.note_sync(why or "")
         return self.decide(grads_scaled=False)
 
     def settle_device_step(self, *, stop: bool = True) -> Incident | None:
@@ -364,7 +354,7 @@ class Guard:
                     self.watched, pending.capture, pending.staged, local, shared, pending.ranks, [], pending.grad_index,
                     via_scaler=False, loaded_state=lambda finite: self.checkpoints.loaded_state_finding(self.step, finite),
                     lrs=pending.lrs, history=self.reporter.history)
-            self._reconcile(decision, device_block, pending)
+            reconcile(decision, device_block, pending.bounds, self.reporter)
             if decision.incident is not None:
                 try:
                     self._report(decision.incident, decision)
@@ -382,29 +372,6 @@ class Guard:
             self.recorder.swap(live)
             if raised:
                 self.recorder.reset()  # the step in progress is abandoned with the exception
-
-    def _reconcile(self, decision: Decision, device_block: bool, pending: Any) -> None:
-        """Make the host's decision of a device-decided step say what happened to its update."""
-        if device_block == decision.block:
-            return
-        incident = decision.incident
-        if device_block and incident is None:  # withheld by the update bound: the one verdict the host has no twin of
-            from .diagnosis.patterns import explain
-
-            health, limit = decision.health, pending.bounds.update_limit
-            summary, fix = explain("gradient_explosion", detail=(
-                f"to a gradient norm of {health.grad_norm:.4g} (parameters {health.param_norm:.4g}), beyond "
-                f"{limit:.4g}, the largest for which the optimizer's update is proven finite"))
-            decision.incident = self.reporter.new(
-                kind="grad_explosion", phase="backward", cause="gradient_explosion", summary=summary, fix=fix,
-                action=Action.SKIPPED, details={"update_limit": limit, "grad_norm": health.grad_norm,
-                                                "param_norm": health.param_norm, "sync_free": "withheld on the device"})
-        elif incident is not None:
-            incident.details["sync_free_mismatch"] = (
-                "the device withheld this update" if device_block else "the update landed before the host read the step")
-            if device_block:
-                incident.action = Action.SKIPPED
-        decision.block = device_block
 
     def decide(self, *, grads_scaled: bool, via_scaler: bool = False) -> Decision:
         """Check the step (one host sync) and decide; an incident goes to the reporter."""

@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -53,12 +54,13 @@ from .dynamics._readback import DeferredRead
 from .taxonomy import Action
 
 if TYPE_CHECKING:
-    from .decision import StepJudge
+    from .decision import Decision, StepJudge
+    from .reporting import Reporter
     from .distributed import StepRound
     from .response.update_check import UpdateCheck
     from .watched import Watched
 
-__all__ = ["Bounds", "PendingStep", "SyncFree", "device_verdict", "ineligible"]
+__all__ = ["Bounds", "PendingStep", "SyncFree", "device_verdict", "ineligible", "reconcile"]
 
 
 def ineligible(watched: "Watched", *, scaler: Any, policy: str, skip_snapshots: bool) -> str | None:
@@ -246,6 +248,26 @@ class SyncFree:
         self._limit_cache = (key, limit) if limit is not None else None
         return limit
 
+    def try_stage(self, capture: StepCapture, last: dict[str, Any] | None, lrs: Callable[[], list[float]]) -> bool:
+        """Decide this step on the device if it can be (see :meth:`why_sync`, :meth:`bounds`);
+        True when it was (the verdict is with the optimizer), False when the host must read it.
+        ``last``: the figures of the last step the host booked (the update bound is searched from them)."""
+        from .decision import gradients
+
+        why = self.why_sync(capture)
+        bounds = None
+        if why is None:
+            bounds = self.bounds(finite_blocks=blocked_by_finite_anomalies(self.watched),
+                                 health_hint=(last["grad_norm"], last["param_norm"]) if last else (None, None))
+            if bounds is None:
+                why = "the update could not be proven finite from the run's figures (checked after it instead)"
+        if bounds is None:
+            self.note_sync(why or "")
+            return False
+        grads, grad_index = gradients(self.watched.params)
+        self.stage(capture, bounds, grads=grads, grad_index=grad_index, lrs=lrs())
+        return True
+
     def stage(self, capture: StepCapture, bounds: Bounds, *, grads: list[torch.Tensor], grad_index: list[int],
               lrs: list[float]) -> PendingStep:
         """Reduce the step, judge it on the device, hand the verdict to the optimizer and start the copy."""
@@ -295,6 +317,33 @@ class SyncFree:
 
     def summary(self) -> dict[str, Any]:
         return {"device_steps": self.steps, "host_steps": dict(self.sync_steps)}
+
+
+def reconcile(decision: "Decision", device_block: bool, bounds: Bounds, reporter: "Reporter") -> None:
+    """Make the host's decision of a device-decided step say what happened to its update (the
+    device's verdict is what the optimizer did). The two agree unless the update bound withheld
+    the step (the one verdict the host has no twin of: reported as ``grad_explosion``) or the
+    host's own verdict differs (recorded on the incident as ``details["sync_free_mismatch"]``)."""
+    if device_block == decision.block:
+        return
+    incident = decision.incident
+    if device_block and incident is None:
+        from .diagnosis.patterns import explain
+
+        health, limit = decision.health, bounds.update_limit
+        summary, fix = explain("gradient_explosion", detail=(
+            f"to a gradient norm of {health.grad_norm:.4g} (parameters {health.param_norm:.4g}), beyond "
+            f"{limit:.4g}, the largest for which the optimizer's update is proven finite"))
+        decision.incident = reporter.new(
+            kind="grad_explosion", phase="backward", cause="gradient_explosion", summary=summary, fix=fix,
+            action=Action.SKIPPED, details={"update_limit": limit, "grad_norm": health.grad_norm,
+                                            "param_norm": health.param_norm, "sync_free": "withheld on the device"})
+    elif incident is not None:
+        incident.details["sync_free_mismatch"] = (
+            "the device withheld this update" if device_block else "the update landed before the host read the step")
+        if device_block:
+            incident.action = Action.SKIPPED
+    decision.block = device_block
 
 
 def blocked_by_finite_anomalies(watched: "Watched") -> bool:
