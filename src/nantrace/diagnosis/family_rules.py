@@ -151,9 +151,12 @@ def _div_rule(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tens
         if slices is not None:
             facts["constant_slices"] = slices
         label = {"std": "standard deviation", "var": "variance", "norm": "norm", "rms": "root mean square"}[stat[0]]
+        # a std/variance is 0 on a constant slice; a norm or root mean square only on an all-zero one
+        why = ("the slice it was computed over is constant (or has one element)" if stat[0] in {"std", "var"}
+               else "the vector it was computed over is all zeros")
         return ("zero_variance_norm",
-                f"the divisor is a {label} ({short_op(stat[1].op)}) that is 0 on {zeros} element(s): the slice it was "
-                "computed over is constant (or has one element), and no eps was added", facts)
+                f"the divisor is a {label} ({short_op(stat[1].op)}) that is 0 on {zeros} element(s): {why}, and no "
+                "eps was added", facts)
     if stat is not None and stat[0] == "count":
         return "div_by_zero", f"the divisor is a count ({short_op(stat[1].op)} of a mask) that is 0: a mean over no element", facts
     what = f", made by {kind.lstrip('_')}" if kind else ""

@@ -19,6 +19,7 @@ failure: no incident, and the exception is left alone.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 VALUE_CHECKS = re.compile(
     r"between 0 and 1|probability tensor contains|invalid multinomial|to satisfy the constraint|out of bounds|"
     r"index out of range|out of range|device-side assert|positive.definite|singular|could not be completed|"
-    r"contains (?:nan|inf)|\bnan\b|\binf\b|non-finite|nonfinite|is not finite",
+    r"contains (?:nan|inf)|\bnan\b|\binf\b|non-finite|nonfinite|is not finite|converted to type .* without overflow",
     re.IGNORECASE)
 NOT_VALUES = re.compile(r"out of memory|size mismatch|shapes? .*cannot|must match|expected scalar type|dtype|"
                         r"on the same device|not implemented|unexpected keyword|missing \d+ required", re.IGNORECASE)
@@ -155,7 +156,7 @@ def _from_evidence(failure: FailedOp | None, records: list[OpRecord], watched: "
             origin = Origin(record=None, chain=[], external=ref)
         return classify(origin, observed_in="forward", low_precision_finite=None, param_modules=modules_of), origin
     if failure is not None:
-        verdict = _index_out_of_range(failure) or _outside_domain(failure)
+        verdict = _index_out_of_range(failure) or _scalar_beyond_dtype(failure) or _outside_domain(failure)
         if verdict is not None:
             return verdict, None
     created = [r for r in records if r.creates_nonfinite and not r.is_constant]
@@ -210,6 +211,28 @@ def _index_out_of_range(failure: FailedOp) -> Classification | None:
                                   f"indices range {int(idx.min())}..{int(idx.max())} for a dimension of {size}",
                                   str(src.dtype).removeprefix("torch."), _stats(failure))
     return None
+
+
+def _scalar_beyond_dtype(failure: FailedOp) -> Classification | None:
+    """A Python number passed to an op on a tensor whose dtype cannot hold it (``masked_fill(mask,
+    -1e9)`` on float16 scores): torch refuses to convert it and raises. Judged on the values: the
+    number is finite and beyond the tensor dtype's max. In float16/bfloat16, a number float32 holds
+    is a low-precision overflow; beyond float32 too, an overflow."""
+    x = next((a for a in failure.args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    if x is None:
+        return None
+    limit = torch.finfo(x.dtype).max
+    numbers = [a for a in (*failure.args, *failure.kwargs.values())
+               if isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a)]
+    beyond = [a for a in numbers if abs(a) > limit]
+    if not beyond:
+        return None
+    value = max(beyond, key=abs)
+    name = str(x.dtype).removeprefix("torch.")
+    low = x.dtype in (torch.float16, torch.bfloat16) and abs(value) <= torch.finfo(torch.float32).max
+    detail = f"the constant {value:g} does not fit {name} (max {limit:g})"
+    return Classification("precision_overflow" if low else "overflow", failure.op, failure.module, failure.source,
+                          failure.phase, detail, name, _stats(failure), {"constant": value, "dtype_max": limit})
 
 
 def _outside_domain(failure: FailedOp) -> Classification | None:
