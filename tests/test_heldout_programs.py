@@ -163,14 +163,6 @@ XFAIL: dict[str, str] = {
         "before policy(obs), so its NaN output enters the tape as an outside tensor and is taken for the batch "
         "(nonfinite_input, phase data, no op); the tape window would have to open at the step's start "
         "(loss_tape.py / step_capture.py)"),
-    "regression_target_nan_missing_label[zero_intrusive]": (
-        "a NaN only in the targets is diagnosed cause nonfinite_input, phase data, but the kind stays "
-        "nonfinite_loss, while a NaN in the model's inputs gets kind nonfinite_input (the kind is set from "
-        "the pre-forward input check, decision.py)"),
-    "regression_target_nan_missing_label[replayable]": (
-        "a NaN only in the targets is diagnosed cause nonfinite_input, phase data, but the kind stays "
-        "nonfinite_loss, while a NaN in the model's inputs gets kind nonfinite_input (the kind is set from "
-        "the pre-forward input check, decision.py)"),
 }
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 

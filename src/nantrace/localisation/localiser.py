@@ -221,6 +221,8 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
 
 
 def _apply(incident: "Incident", cls: Classification, origin: Origin, *, replayable: bool) -> None:
+    if cls.cause == "nonfinite_input" and incident.kind in ("nonfinite_loss", "nonfinite_grad", "nonfinite_activation"):
+        incident.kind = "nonfinite_input"  # what was observed first is the batch itself (a target, a mask), not the loss
     incident.op = cls.op
     incident.module = cls.module
     incident.source = cls.source
