@@ -158,11 +158,6 @@ def _steps(normal: Callable[[int], Any], bad: Callable[[int], Any]) -> list[Any]
 
 CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
 XFAIL: dict[str, str] = {
-    "ppo_advantage_normalisation_sparse_reward[zero_intrusive]": (
-        "the zero-intrusive loss tape opens when the model's forward returns; the advantage normalisation runs "
-        "before policy(obs), so its NaN output enters the tape as an outside tensor and is taken for the batch "
-        "(nonfinite_input, phase data, no op); the tape window would have to open at the step's start "
-        "(loss_tape.py / step_capture.py)"),
 }
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 

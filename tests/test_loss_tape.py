@@ -30,11 +30,16 @@ def test_only_the_loss_code_is_taped_and_the_stack_is_left_clean():
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     guard = nantrace.watch(model, opt, config=nantrace.Config(print_incidents=False))
     tape = guard.recorder.capture.tape
+    prelude = guard.recorder.capture.prelude
     _step(model, opt, torch.randn(8, 4), lambda out: F.mse_loss(out, torch.zeros_like(out)))
-    assert torch._C._len_torch_function_stack() == 0  # popped at backward(), never on the stack for the optimizer
+    # the loss tape left the stack at backward(); after the update the prelude (the next step's code
+    # before its forward) is the one nantrace mode there
+    assert torch._C._len_torch_function_stack() == 1 and torch._C._get_function_stack_at(0) is prelude
     opt.zero_grad()
-    out = model(torch.randn(8, 4))
-    assert torch._C._len_torch_function_stack() == 1  # on the stack only between forward and backward
+    x = torch.randn(8, 4)
+    out = model(x * 0.5)
+    assert torch._C._len_torch_function_stack() == 1 and torch._C._get_function_stack_at(0) is tape  # the loss code's
+    assert [getattr(e.func, "__name__", "?") for e in prelude.entries] == ["randn", "mul"]  # not zero_grad's reads of .grad
     loss = F.mse_loss(out, torch.zeros_like(out))
     seen = [getattr(e.func, "__name__", "?") for e in tape.entries]
     assert seen == ["zeros_like", "mse_loss"] and tape.losses == []
@@ -110,3 +115,41 @@ def test_a_compiled_loss_function_is_diagnosed_without_recompiling_for_the_tape(
     assert (inc.step, inc.op, inc.module, inc.cause) == (3, "aten.log.default", None, "log_nonpositive")
     assert inc.source.startswith("tests/test_loss_tape.py:") or "test_loss_tape.py:" in inc.source
     assert not [w for w in recwarn if "recompile" in str(w.message).lower()]
+
+
+def test_the_prelude_traces_a_value_made_before_the_forward_and_replays_without_side_effects():
+    """PPO-shaped: advantages normalised before the policy's forward (std = 0 when every reward is
+    equal), while between steps the loop clips weights in place, keeps an EMA and draws from its own
+    generator. The incident names the division on its line (not "the batch"); the replay of the
+    prelude touched none of the real state: the weights equal a run whose prelude is not taped."""
+    def run(record: bool) -> tuple[list, dict]:
+        torch.manual_seed(0)
+        policy = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+        ema = [p.detach().clone() for p in policy.parameters()]
+        opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
+        guard = nantrace.watch(policy, opt, config=nantrace.Config(outputs={"print_incidents": False},
+                                                                  localisation={"record_loss_code": record}))
+        gen = torch.Generator().manual_seed(3)
+        for step in range(8):
+            obs = torch.randn(32, 4, generator=gen)
+            rewards = torch.ones(32) if step == 5 else torch.rand(32, generator=gen)
+            adv = (rewards - rewards.mean()) / rewards.std()  # <origin:adv>
+            opt.zero_grad()
+            logp = torch.log_softmax(policy(obs), -1)[:, 0]
+            (-(logp * adv).mean()).backward()
+            opt.step()
+            with torch.no_grad():
+                for p, e in zip(policy.parameters(), ema):
+                    p.data.clamp_(-0.5, 0.5)
+                    e.mul_(0.9).add_(p, alpha=0.1)
+        guard.close()
+        return guard.incidents, {**policy.state_dict(), **{f"ema{i}": e for i, e in enumerate(ema)}}
+
+    with_prelude, state = run(True)
+    without, reference = run(False)
+    assert all(torch.equal(state[k], reference[k]) for k in reference)
+    [incident] = with_prelude
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if "# <origin:adv>" in text)
+    assert (incident.step, incident.kind, incident.op, incident.cause) == (5, "nonfinite_loss", "aten.div.Tensor", "zero_variance_norm")
+    assert incident.source.endswith(f"test_loss_tape.py:{line}")
+    assert [(i.step, i.kind, i.cause) for i in without] == [(5, "nonfinite_loss", "unknown")]  # no tapes: no op

@@ -108,6 +108,8 @@ class StepCapture:
     local_grads_ok: torch.Tensor | None = None
     tape: Any = None
     """The step's :class:`~nantrace.loss_tape.LossTape` (the loss code's calls), when one is kept."""
+    prelude: Any = None
+    """The step's code before the model's forward, taped (a prelude :class:`~nantrace.loss_tape.LossTape`)."""
 
     def and_inputs(self, flag: torch.Tensor) -> None:
         self.inputs_ok = flag if self.inputs_ok is None else self.inputs_ok & flag

@@ -505,6 +505,7 @@ class Guard:
     def _next_step(self) -> None:
         self.state.step += 1
         self.recorder.reset()
+        self.recorder.start_prelude()
         self._decision = None
         self.state.unscaled = False
         BACKWARD.ensure()  # another tool's clean-up may have dropped our layer: wrap again
@@ -595,6 +596,7 @@ class Guard:
         try:
             if not self.closed:
                 self._patches.remove()
+                self.recorder.close()  # and its tapes off the mode stack
         except Exception:
             pass
 

@@ -15,6 +15,7 @@ re-issues the calls on copies of those, under the op tracer.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,12 @@ from .localisation.tracer import user_source
 
 MAX_ENTRIES = 256
 """Calls kept per step; a loss computation longer than this is not replayed (said so in the diagnosis)."""
+PRELUDE_ENTRIES = 64
+"""Calls the prelude keeps (the step's code before the model's forward); when it fills, it starts
+over, so the calls nearest the forward are the ones kept."""
+PRELUDE_RESTARTS = 2
+"""Start-overs after which the prelude stops recording until the next step (code that runs long
+between two steps, e.g. an evaluation after the last one, pays almost nothing)."""
 
 _READS = frozenset({
     "item", "tolist", "numpy", "dim", "size", "numel", "__len__", "__bool__", "__float__", "__int__", "__index__",
@@ -35,6 +42,13 @@ _READS = frozenset({
     "retain_grad", "__reduce_ex__", "__deepcopy__", "untyped_storage", "_version", "__array__",
 })
 _STOPS = frozenset({"backward"})
+_PLAIN = frozenset({int, float, bool, str, complex, torch.dtype, torch.device})
+_HANDLES = (torch._C.TensorBase.grad, torch._C.TensorBase.data)
+"""Attributes that hand out a tensor that already exists (a gradient, the storage itself): reading
+them makes nothing a replay could redo, writing them is a side effect; neither is taped."""
+_SIDE_EFFECTS = frozenset({"__set__", "__delete__"})
+"""Attribute writes (``p.grad = None``, ``t.data = ...``): effects on the objects themselves, which
+a replay must not repeat; never taped."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,6 +74,13 @@ def _name(func: Any) -> str:
     return name
 
 
+def _snapshot(generator: torch.Generator) -> torch.Generator:
+    """A new generator in the state of ``generator`` (the replay draws from it, not from the user's)."""
+    copy = torch.Generator(device=generator.device)
+    copy.set_state(generator.get_state())
+    return copy
+
+
 def tensors_of(out: Any) -> list[torch.Tensor]:
     """The tensor outputs of a call, in a fixed order (a tensor, or a tuple/list/named tuple of them)."""
     if isinstance(out, torch.Tensor):
@@ -72,9 +93,19 @@ def tensors_of(out: Any) -> list[torch.Tensor]:
 class LossTape(TorchFunctionMode):
     """Records the torch calls of one step's loss code; see the module docstring."""
 
-    def __init__(self, limit: int = MAX_ENTRIES) -> None:
+    def __init__(self, limit: int = MAX_ENTRIES, *, prelude: bool = False) -> None:
         super().__init__()
         self.limit = limit
+        self.prelude = prelude
+        """A prelude tape: the step's code before the model's forward (advantages normalised, targets
+        rescaled, noise drawn). It keeps weak references to its calls' outputs, so that a replay can
+        hand its replayed values to the loss tape, which received the real ones as inputs; when full
+        it starts over instead of truncating."""
+        self.outputs: list[list[Any]] = []
+        """Prelude only: weak references to each call's tensor outputs."""
+        self._restarts = 0
+        self._generators: dict[int, torch.Generator] = {}
+        """Copies of the explicit generators of the call in progress, as they were before it."""
         self.entries: list[Entry] = []
         self.truncated = False
         self.loss: Ref | None = None
@@ -133,6 +164,9 @@ class LossTape(TorchFunctionMode):
     def reset(self) -> None:
         """Forget the step's calls (the next step starts a new tape)."""
         self.entries = []
+        self.outputs = []
+        self._restarts = 0
+        self._generators = {}
         self.rng_marks = []
         self.truncated = False
         self.loss = None
@@ -146,20 +180,33 @@ class LossTape(TorchFunctionMode):
         if not self._recording or torch.compiler.is_compiling():
             # a torch.compile'd loss function is traced by dynamo, not taped (its calls run fused, in the graph)
             return func(*args, **kwargs)
+        if getattr(func, "__self__", None) in _HANDLES:  # p.grad / t.data read or written (zero_grad, clipping, EMA)
+            return func(*args, **kwargs)
         name = _name(func)
+        if name.startswith("_record_function"):  # the profiler's markers (every optimizer.zero_grad())
+            return func(*args, **kwargs)
         if name in _STOPS:
             self._recording = False
             return func(*args, **kwargs)
+        if self.prelude and len(self.entries) >= self.limit and name not in _READS:
+            if self._restarts >= PRELUDE_RESTARTS:
+                self._recording = False
+                self.entries, self.outputs, self._made = [], [], WeakTensorKeyDictionary()
+                return func(*args, **kwargs)
+            self._start_over()
+        generator = kwargs.get("generator")
+        if isinstance(generator, torch.Generator):  # a replay must draw what this call draws, and leave the user's alone
+            self._generators[id(generator)] = _snapshot(generator)
         try:
             out = func(*args, **kwargs)
         except Exception as exc:
-            if name not in _READS and len(self.entries) < self.limit:
+            if name not in _READS and len(self.entries) < self.limit and not self.prelude:
                 self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2)))
                 self.failed = (len(self.entries) - 1, exc)
                 if self.on_exception is not None:
                     self.on_exception(exc)
             raise
-        if name in _READS or not (out is None or isinstance(out, (torch.Tensor, tuple, list))):
+        if name in _READS or name in _SIDE_EFFECTS or not (out is None or isinstance(out, (torch.Tensor, tuple, list))):
             return out
         outs = tensors_of(out)
         if out is not None and not outs:
@@ -171,11 +218,26 @@ class LossTape(TorchFunctionMode):
         self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2)))
         for slot, t in enumerate(outs):
             self._made[t] = Ref(index, slot)
+        if self.prelude:
+            self.outputs.append([weakref.ref(t) for t in outs])
         return out
+
+    def _start_over(self) -> None:
+        """A full prelude forgets its calls and goes on: the calls nearest the forward matter, and
+        what they read from before now counts as received from outside."""
+        self._restarts += 1
+        self.entries, self.outputs = [], []
+        self.rng_marks = [(0, RngState.current())]
+        self.autocast = AutocastState.current()
+        self._made = WeakTensorKeyDictionary()
 
     def _encode(self, obj: Any, depth: int = 0) -> Any:
         if isinstance(obj, torch.Tensor):
             return self._made.get(obj, obj)
+        if obj is None or type(obj) in _PLAIN:
+            return obj
+        if self._generators and isinstance(obj, torch.Generator):
+            return self._generators.pop(id(obj), obj)
         if depth > 3:
             return obj
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
@@ -196,4 +258,6 @@ class LossTape(TorchFunctionMode):
 
     @property
     def usable(self) -> bool:
+        if self.prelude:
+            return bool(self.entries) and not self.truncated
         return bool(self.entries) and not self.truncated and (self.loss is not None or self.failed is not None)

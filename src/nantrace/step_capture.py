@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .capture import AutocastState, BufferPlan, CallRecord, ForwardRecord, RngState, StepCapture, all_finite, floating_tensors
-from .loss_tape import LossTape
+from .loss_tape import PRELUDE_ENTRIES, LossTape
 from .watched import Watched
 
 __all__ = ["StepRecorder"]
@@ -44,6 +44,9 @@ class StepRecorder:
         cfg = watched.config
         self.tape = LossTape() if cfg.localisation.record_loss_code else None
         """The loss code's tape (``Config.localisation.record_loss_code``), or ``None``."""
+        self.prelude = LossTape(PRELUDE_ENTRIES, prelude=True) if cfg.localisation.record_loss_code else None
+        """The tape of the step's code before the model's forward (from the end of the previous
+        step), so a value the loss code receives from there can be traced to the call that made it."""
         self.buffers = BufferPlan(watched.root, cfg.localisation.snapshot_buffers)
         self._on_exception: Callable[[], Callable[[BaseException], None] | None] = (
             weakref.WeakMethod(on_exception) if hasattr(on_exception, "__self__") else lambda: on_exception
@@ -61,7 +64,9 @@ class StepRecorder:
     def _new_capture(self) -> StepCapture:
         if self.tape is not None:
             self.tape.reset()
-        return StepCapture(tape=self.tape)
+        if self.prelude is not None:
+            self.prelude.reset()
+        return StepCapture(tape=self.tape, prelude=self.prelude)
 
     def reset(self) -> None:
         """Start the next step's capture."""
@@ -79,8 +84,15 @@ class StepRecorder:
         return bool(self.capture.forwards or self.capture.calls)
 
     def pause_tape(self) -> None:
+        if self.prelude is not None:
+            self.prelude.pause()
         if self.tape is not None:
             self.tape.pause()
+
+    def start_prelude(self) -> None:
+        """The previous step has ended: tape what the next one does before the model's forward."""
+        if self.prelude is not None and not self.watched.closed:
+            self.prelude.resume()
 
     # ------------------------------------------------------------ the model's forward
     def forward_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -154,6 +166,8 @@ class StepRecorder:
         return wrapper  # type: ignore[return-value]
 
     def close(self) -> None:
+        if self.prelude is not None:
+            self.prelude.detach()
         if self.tape is not None:
             self.tape.on_exception = None
             self.tape.detach()

@@ -299,7 +299,9 @@ class SyncFree:
         kept = dataclasses.replace(staged, grads=[], params=[])  # hold no gradient beyond its step
         frozen = copy.copy(capture)
         if capture.tape is not None:
-            frozen.tape = copy.copy(capture.tape)  # the live tape is reset for the next step
+            frozen.tape = copy.copy(capture.tape)  # the live tapes are reset for the next step
+        if capture.prelude is not None:
+            frozen.prelude = copy.copy(capture.prelude)
         self.pending = PendingStep(watched.step, kept, grad_index, frozen, ranks, read, bounds, lrs)
         self.steps += 1
         return self.pending

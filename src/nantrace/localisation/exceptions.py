@@ -82,7 +82,7 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
                 result = _replay_units(watched, units)
                 replay_error, outputs_finite, observed = result
             else:
-                step = replay_step(watched, units, tape, tracer, backward=False)
+                step = replay_step(watched, units, tape, tracer, backward=False, prelude=capture.prelude)
                 replay_error, outputs_finite, observed = step.error, step.model_outputs_finite, []
         records.extend(tracer.records)
         failure = tracer.failure

@@ -149,7 +149,7 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
             if lockstep.any(wants_tape) and not lockstep.any(not able):
                 side_tracer = OpTracer(ModuleStack(watched.root), externals)
                 with side_tracer.modules, side_tracer:
-                    side = replay_step(watched, units, tape, side_tracer, together=True)
+                    side = replay_step(watched, units, tape, side_tracer, together=True, prelude=capture.prelude)
                 if not wants_tape:
                     side_tracer = None
             elif wants_tape:
@@ -165,7 +165,7 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
                 modules = ModuleStack(watched.root)
                 tracer = OpTracer(modules, externals)
                 with modules, tracer:
-                    taped = replay_step(watched, units, tape, tracer)
+                    taped = replay_step(watched, units, tape, tracer, prelude=capture.prelude)
             incident.details["loss_code_replayed"] = len(tape.entries)
             if taped.error is not None:
                 loss_error = f"{type(taped.error).__name__}: {taped.error}"

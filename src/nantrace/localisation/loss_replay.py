@@ -42,7 +42,10 @@ class StepResult:
 
 class _Decoder:
     def __init__(self, replaced: dict[int, torch.Tensor], shared: set[int],
-                 unit_outputs: list[list[torch.Tensor]], externals: dict[int, str]) -> None:
+                 unit_outputs: list[list[torch.Tensor]], externals: dict[int, str], *, copy_all: bool = False) -> None:
+        self.copy_all = copy_all
+        """Copy parameters and buffers too (the prelude: code between steps may change them in
+        place, weight clipping, an EMA; its replay must never touch the real ones)."""
         self.values: list[list[torch.Tensor]] = []
         self.unit_outputs = unit_outputs
         self.externals = externals
@@ -62,7 +65,7 @@ class _Decoder:
             key = id(obj)
             if key in self.replaced:
                 return self.replaced[key]
-            if key in self.shared or self.externals.get(key, "").startswith(("param:", "buffer:")):
+            if not self.copy_all and (key in self.shared or self.externals.get(key, "").startswith(("param:", "buffer:"))):
                 return obj  # a model input or parameter: the same object the replayed forward read
             copy = self.copies.get(key)
             if copy is None:
@@ -83,10 +86,51 @@ class _Decoder:
         return obj
 
 
+def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer) -> BaseException | None:
+    """Re-issue a tape's calls under its autocast state and RNG marks, each attributed to its
+    source line; the values go to ``decode.values``. Returns the exception a call raised."""
+    contexts = tape.autocast.contexts() if tape.autocast is not None else []
+    with contextlib.ExitStack() as stack:
+        for ctx in contexts:
+            stack.enter_context(ctx)
+        marks = dict(tape.rng_marks)
+        for index, entry in enumerate(tape.entries):
+            if index in marks:
+                marks[index].restore()
+            tracer.source_override = entry.source
+            try:
+                out = entry.func(*decode(entry.args), **decode(entry.kwargs))
+            except Exception as exc:
+                return exc
+            finally:
+                tracer.source_override = None
+            decode.values.append(tensors_of(out))
+    return None
+
+
+def _replay_prelude(prelude: LossTape, tracer: OpTracer, *, exclude: set[int]) -> dict[int, torch.Tensor]:
+    """Replay the prelude; map each real output still alive (by id) to its replayed value, except
+    the model's own inputs (``exclude``: the replayed forward read the real ones)."""
+    decode = _Decoder({}, set(), [], tracer.externals, copy_all=True)
+    error = _reissue(prelude, decode, tracer)
+    if error is not None:
+        raise error
+    out: dict[int, torch.Tensor] = {}
+    for refs, values in zip(prelude.outputs, decode.values):
+        for ref, value in zip(refs, values):
+            real = ref()
+            if real is not None and id(real) not in exclude:
+                out[id(real)] = value
+    return out
+
+
 def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tracer: OpTracer, *,
-                backward: bool = True, together: bool = False) -> StepResult:
+                backward: bool = True, together: bool = False, prelude: LossTape | None = None) -> StepResult:
     """Replay the step's forwards and its loss tape in one graph (inside the tracer and a module stack).
 
+    ``prelude``: the step's code before the model's forward, taped; it is replayed too, and the
+    loss code receives its replayed values in place of the real ones (advantages normalised
+    before the forward are traced to the division that made them, not taken for the batch).
     ``together``: every rank replays in lockstep (FSDP2): the backward runs even from a non-finite
     loss, so that its collectives meet the other ranks'; the result reads as without it.
     """
@@ -111,23 +155,15 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
         tracer.flush()
         if tape is None or not tape.entries:
             return StepResult(None, outputs_finite, None, None, outputs_finite)
+        if prelude is not None and prelude.usable:
+            try:
+                replaced.update(_replay_prelude(prelude, tracer, exclude=shared))
+            except Exception:  # noqa: BLE001  the prelude is evidence, not the step: without it, its values count as inputs
+                tracer.flush()
         decode = _Decoder(replaced, shared, unit_outputs, tracer.externals)
-        contexts = tape.autocast.contexts() if tape.autocast is not None else []
-        with contextlib.ExitStack() as stack:
-            for ctx in contexts:
-                stack.enter_context(ctx)
-            marks = dict(tape.rng_marks)
-            for index, entry in enumerate(tape.entries):
-                if index in marks:
-                    marks[index].restore()
-                tracer.source_override = entry.source
-                try:
-                    out = entry.func(*decode(entry.args), **decode(entry.kwargs))
-                except Exception as exc:
-                    return StepResult(None, False, None, exc, outputs_finite)
-                finally:
-                    tracer.source_override = None
-                decode.values.append(tensors_of(out))
+        error = _reissue(tape, decode, tracer)
+        if error is not None:
+            return StepResult(None, False, None, error, outputs_finite)
         tracer.flush()
     refs = tape.losses or ([tape.loss] if tape.loss is not None else [])
     if not refs:

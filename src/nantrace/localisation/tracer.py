@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import functools
 import os
 import sys
 import weakref
@@ -56,13 +57,19 @@ def readable(t: torch.Tensor) -> bool:
 
 def format_source(filename: str, lineno: int) -> str:
     """``path:LINE``, relative to the working directory when the file lies below it."""
+    return f"{_display_path(filename, os.getcwd())}:{lineno}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _display_path(filename: str, cwd: str) -> str:
+    """``filename`` relative to ``cwd`` when it lies below it (cached: the tapes ask once per call they keep)."""
     try:
-        rel = os.path.relpath(filename)
+        rel = os.path.relpath(filename, cwd)
         if not rel.startswith(".."):
-            filename = rel
+            return rel
     except ValueError:
         pass
-    return f"{filename}:{lineno}"
+    return filename
 
 
 def user_source(skip: int = 2) -> str | None:
