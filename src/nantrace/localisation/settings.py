@@ -34,8 +34,8 @@ class LocalisationConfig(SettingsGroup):
     """Keep the gradient arriving at the model's outputs so backward origins can be replayed without the loss."""
 
     record_loss_code: bool = True
-    """Keep a tape of the torch calls between the model's forward and ``backward()`` (the loss code), so an origin
-    there is localised without ``guard.replayable``."""
+    """Keep a tape of the torch calls between the model's forward and ``backward()`` (the loss code), and of the
+    step's code before the forward (the prelude), so an origin there is localised without ``guard.replayable``."""
 
     def __post_init__(self) -> None:
         check_bools(self)
