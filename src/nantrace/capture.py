@@ -22,6 +22,12 @@ class AutocastState:
 
     @classmethod
     def current(cls) -> "AutocastState":
+        """The autocast state now. With no autocast on anywhere (one query), the dtypes are only
+        needed to describe the state, so an equal state is built from them without re-asking
+        which device is enabled (two queries instead of four)."""
+        if not _any_autocast_enabled():
+            return cls(cpu_enabled=False, cpu_dtype=torch.get_autocast_dtype("cpu"),
+                       cuda_enabled=False, cuda_dtype=torch.get_autocast_dtype("cuda"))
         return cls(
             cpu_enabled=torch.is_autocast_enabled("cpu"),
             cpu_dtype=torch.get_autocast_dtype("cpu"),
@@ -48,6 +54,14 @@ class AutocastState:
             "cuda_enabled": self.cuda_enabled,
             "cuda_dtype": str(self.cuda_dtype),
         }
+
+
+def _any_autocast_enabled() -> bool:
+    """Whether autocast is on for any device (one call into torch where it has the query)."""
+    query = getattr(torch._C, "_is_any_autocast_enabled", None)
+    if query is not None:
+        return bool(query())
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
 
 
 @dataclasses.dataclass
@@ -96,27 +110,108 @@ class CallRecord:
     loss: torch.Tensor | None = None
 
 
-@dataclasses.dataclass
 class StepCapture:
-    """Everything the guard gathered between two optimizer steps."""
+    """Everything the guard gathered between two optimizer steps.
 
-    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    forwards: list[ForwardRecord] = dataclasses.field(default_factory=list)
-    calls: list[CallRecord] = dataclasses.field(default_factory=list)
-    inputs_ok: torch.Tensor | None = None
-    outputs_ok: torch.Tensor | None = None
-    local_grads_ok: torch.Tensor | None = None
-    tape: Any = None
-    """The step's :class:`~nantrace.loss_tape.LossTape` (the loss code's calls), when one is kept."""
+    The model's input and output finiteness is kept as each tensor's ``aminmax`` (one kernel
+    per tensor in the forward hooks, no flag arithmetic there): the flags are formed once, at
+    the step's check (:meth:`finite_flags`), or on demand (:attr:`inputs_ok`, :attr:`outputs_ok`).
+    """
+
+    __slots__ = ("losses", "forwards", "calls", "input_extremes", "output_extremes", "_inputs_ok", "_outputs_ok",
+                 "local_grads_ok", "tape")
+
+    def __init__(self, losses: list[torch.Tensor] | None = None, forwards: list[ForwardRecord] | None = None,
+                 calls: list[CallRecord] | None = None, inputs_ok: torch.Tensor | None = None,
+                 outputs_ok: torch.Tensor | None = None, local_grads_ok: torch.Tensor | None = None,
+                 tape: Any = None) -> None:
+        self.losses: list[torch.Tensor] = [] if losses is None else losses
+        self.forwards: list[ForwardRecord] = [] if forwards is None else forwards
+        self.calls: list[CallRecord] = [] if calls is None else calls
+        self.input_extremes: list[torch.Tensor] = []
+        """Minimum and maximum of every floating model input, in pairs (NaN/Inf propagate into them)."""
+        self.output_extremes: list[torch.Tensor] = []
+        """The same for the model's floating outputs."""
+        self._inputs_ok = inputs_ok
+        self._outputs_ok = outputs_ok
+        self.local_grads_ok = local_grads_ok
+        self.tape = tape
+        """The step's :class:`~nantrace.loss_tape.LossTape` (the loss code's calls), when one is kept."""
+
+    def note_inputs(self, tensors: list[torch.Tensor]) -> None:
+        """Keep the extremes of the forward's floating inputs (one ``aminmax`` each, no sync)."""
+        _extend_extremes(self.input_extremes, tensors)
+
+    def note_outputs(self, tensors: list[torch.Tensor]) -> None:
+        """Keep the extremes of the forward's floating outputs (one ``aminmax`` each, no sync)."""
+        _extend_extremes(self.output_extremes, tensors)
+
+    @property
+    def inputs_ok(self) -> torch.Tensor | None:
+        """0-dim bool: every model input of the step was finite (``None``: none checked)."""
+        return _combine_flag(self._inputs_ok, self.input_extremes)
+
+    @inputs_ok.setter
+    def inputs_ok(self, flag: torch.Tensor | None) -> None:
+        self._inputs_ok, self.input_extremes = flag, []
+
+    @property
+    def outputs_ok(self) -> torch.Tensor | None:
+        """0-dim bool: every model output of the step was finite (``None``: none checked)."""
+        return _combine_flag(self._outputs_ok, self.output_extremes)
+
+    @outputs_ok.setter
+    def outputs_ok(self, flag: torch.Tensor | None) -> None:
+        self._outputs_ok, self.output_extremes = flag, []
 
     def and_inputs(self, flag: torch.Tensor) -> None:
-        self.inputs_ok = flag if self.inputs_ok is None else self.inputs_ok & flag
+        self._inputs_ok = flag if self._inputs_ok is None else self._inputs_ok & flag
 
     def and_outputs(self, flag: torch.Tensor) -> None:
-        self.outputs_ok = flag if self.outputs_ok is None else self.outputs_ok & flag
+        self._outputs_ok = flag if self._outputs_ok is None else self._outputs_ok & flag
 
     def and_local_grads(self, flag: torch.Tensor) -> None:
         self.local_grads_ok = flag if self.local_grads_ok is None else self.local_grads_ok & flag.to(self.local_grads_ok.device)
+
+    def with_forwards(self, forwards: list[ForwardRecord]) -> "StepCapture":
+        """A copy of this capture with other forward records (e.g. rescaled inputs), the rest shared."""
+        out = StepCapture(losses=self.losses, forwards=forwards, calls=self.calls, inputs_ok=self._inputs_ok,
+                          outputs_ok=self._outputs_ok, local_grads_ok=self.local_grads_ok, tape=self.tape)
+        out.input_extremes, out.output_extremes = self.input_extremes, self.output_extremes
+        return out
+
+    def finite_flags(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(inputs ok, outputs ok) as 0-dim bool tensors, ``None`` where nothing was checked.
+
+        The common step (explicit flags absent, extremes of both kinds on one device) costs
+        three kernels for both flags together: one stack, one ``isfinite``, one ``all`` per row.
+        """
+        ins, outs = self.input_extremes, self.output_extremes
+        if self._inputs_ok is None and self._outputs_ok is None and ins and len(ins) == len(outs):
+            try:
+                both = torch.isfinite(torch.stack([*ins, *outs]).reshape(2, -1)).all(1)
+            except RuntimeError:  # extremes on several devices: one flag at a time
+                pass
+            else:
+                return both[0], both[1]
+        return self.inputs_ok, self.outputs_ok
+
+
+def _extend_extremes(into: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        if t.numel():
+            lo, hi = torch.aminmax(t.detach())  # mixed dtypes are promoted by the stack at the check: no rounding to inf
+            into.append(lo)
+            into.append(hi)
+
+
+def _combine_flag(flag: torch.Tensor | None, extremes: list[torch.Tensor]) -> torch.Tensor | None:
+    """An explicit flag and'ed with the finiteness of the kept extremes."""
+    if not extremes:
+        return flag
+    device = extremes[0].device
+    ok = torch.isfinite(torch.stack([e.to(device) for e in extremes])).all()
+    return ok if flag is None else flag.to(device) & ok
 
 
 def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:

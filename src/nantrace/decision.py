@@ -16,6 +16,7 @@ Usage (inside the guard)::
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +66,14 @@ class StepJudge:
         self.divergence = DivergenceDetector(min_steps=det.divergence_steps, min_factor=det.divergence_factor)
         self.last_applied: int | None = None
         """The last step whose update landed."""
+        self._full_index: list[int] = []
+        """``[0, 1, ..., n - 1]`` for the watched parameters: the gradient index of a step where every
+        parameter has a gradient, made once and handed out again (never mutated by its readers)."""
+
+    def _gradients(self, params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+        if len(self._full_index) != len(params):
+            self._full_index = list(range(len(params)))
+        return gradients(params, self._full_index)
 
     def decide(self, watched: Watched, capture: StepCapture, *, grads_scaled: bool, via_scaler: bool,
                loaded_state: Callable[[bool], Finding | None], lrs: list[float],
@@ -81,14 +90,15 @@ class StepJudge:
                 history: Sequence[dict[str, Any]]) -> Decision:
         cfg = watched.config.detection
         scaler = watched.scaler
-        grads, grad_index = gradients(watched.params)
+        grads, grad_index = self._gradients(watched.params)
         device = grads[0].device if grads else torch.device("cpu")
+        inputs_ok, outputs_ok = capture.finite_flags()
         staged = stage(
             grads=grads,
             params=watched.params if cfg.check_params else [],
-            losses=capture.losses + [c.loss for c in capture.calls if c.loss is not None and not capture.losses],
-            inputs_ok=capture.inputs_ok,
-            outputs_ok=capture.outputs_ok,
+            losses=capture.losses or [c.loss for c in capture.calls if c.loss is not None],
+            inputs_ok=inputs_ok,
+            outputs_ok=outputs_ok,
             local_grads_ok=capture.local_grads_ok,
             scale=getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None,
             grads_scaled=grads_scaled and scaler is not None,
@@ -152,8 +162,17 @@ class StepJudge:
         return agreement, finding
 
 
-def gradients(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
-    """The step's gradients (sparse ones as their values) and the index of each one's parameter."""
+def gradients(params: Sequence[torch.Tensor], full_index: list[int] | None = None) -> tuple[list[torch.Tensor], list[int]]:
+    """The step's gradients (sparse ones as their values) and the index of each one's parameter.
+
+    The common step (every parameter has a dense gradient) is read with C-level scans (``map``
+    over the parameters, no Python loop body) and returns ``full_index`` itself when given
+    (``list(range(len(params)))``, cached by the caller), so nothing is built per parameter
+    beyond the list of gradients. Missing or sparse gradients take the per-parameter path.
+    """
+    grads = list(map(_GRAD, params))
+    if not any(map(_IS_NONE, grads)) and not any(map(_IS_SPARSE, grads)):
+        return grads, full_index if full_index is not None else list(range(len(grads)))
     grads, index = [], []
     for i, p in enumerate(params):
         g = p.grad
@@ -164,6 +183,14 @@ def gradients(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[
         grads.append(g)
         index.append(i)
     return grads, index
+
+
+_GRAD = operator.attrgetter("grad")
+_IS_SPARSE = operator.attrgetter("is_sparse")
+
+
+def _IS_NONE(x: object) -> bool:  # noqa: N802 - used as a map function, like the getters above
+    return x is None
 
 
 def incident_from_finding(watched: Watched, finding: Finding, health: StepHealth, grads: list[torch.Tensor],

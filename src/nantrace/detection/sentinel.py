@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -50,10 +51,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-tensor L2 norms in float32, grouped by device (foreach kernels need one device)."""
+    """Per-tensor L2 norms in float32, in one foreach kernel where the tensors share a device
+    (per tensor otherwise). DTensor shards are reduced as their local shard."""
     if not tensors:
         return []
-    tensors = [local(t) for t in tensors]
+    if any(map(hasattr, tensors, repeat("to_local"))):  # a C-level scan, no Python loop on plain tensors
+        tensors = [local(t) for t in tensors]
     try:
         return list(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
     except (RuntimeError, TypeError):
@@ -121,23 +124,32 @@ def stage(
     scale: torch.Tensor | None,
     grads_scaled: bool,
 ) -> StagedHealth:
-    """Reduce the step's tensors to one device vector (no host read)."""
+    """Reduce the step's tensors to one device vector (no host read).
+
+    About ten kernels whatever the model: one ``_foreach_norm`` over gradients and parameters
+    together, one stack of those norms, the two totals, the flags' conversion, one stack of the
+    head and one concatenation. Constants come from a per-device cache; no tensor is made per
+    gradient or parameter beyond its norm.
+    """
     device = _pick_device(grads, params, losses)
     nan, one = _constants(device)
-    gn = _norms(grads)
-    pn = _norms(params)
-    gvec = _stack_on(gn, device)
-    pvec = _stack_on(pn, device)
+    ng = len(grads)
+    norms = _norms([*grads, *params])
+    gn, pn = norms[:ng], norms[ng:]
+    nvec = _stack_on(norms, device)
+    gvec = nvec[:ng] if gn else None
+    pvec = nvec[ng:] if pn else None
     head = [
         _mean_loss(losses, device) if losses else nan,
         torch.linalg.vector_norm(gvec) if gvec is not None else nan,
         torch.linalg.vector_norm(pvec) if pvec is not None else nan,
-        inputs_ok.to(device, torch.float32) if inputs_ok is not None else one,
-        outputs_ok.to(device, torch.float32) if outputs_ok is not None else one,
-        local_grads_ok.to(device, torch.float32) if local_grads_ok is not None else one,
+        _flag_on(inputs_ok, device, one),
+        _flag_on(outputs_ok, device, one),
+        _flag_on(local_grads_ok, device, one),
         scale.detach().to(device, torch.float32).reshape(()) if scale is not None else nan,
     ]
-    vec = torch.cat([torch.stack(head)] + [v for v in (gvec, pvec) if v is not None])
+    head_vec = torch.stack(head)  # the bool flags are promoted to float32 (1.0 = finite) by the stack itself
+    vec = torch.cat([head_vec, nvec]) if nvec is not None else head_vec
     return StagedHealth(vec, grads, params, bool(losses), grads_scaled, gn, pn)
 
 
@@ -225,8 +237,13 @@ def _norms64(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _mean_loss(losses: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The mean of the step's losses as a 0-dim float32 tensor (one loss: no reduction kernel)."""
+    if len(losses) == 1:  # the common step: no conversion kernel when the loss is float32 on the device already
+        loss = losses[0].detach()
+        if loss.dtype != torch.float32 or loss.device != device:
+            loss = loss.to(device, torch.float32)
+        return loss if loss.dim() == 0 else loss.reshape(())
     flat = [l.detach().to(device, torch.float32).reshape(()) for l in losses]
-    return flat[0] if len(flat) == 1 else torch.stack(flat).mean()
+    return torch.stack(flat).mean()
 
 
 _CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -238,6 +255,15 @@ def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     if pair is None:
         pair = _CONSTANTS[device] = (torch.full((), float("nan"), device=device), torch.ones((), device=device))
     return pair
+
+
+def _flag_on(flag: torch.Tensor | None, device: torch.device, one: torch.Tensor) -> torch.Tensor:
+    """A 0-dim finiteness flag on ``device`` for the head's stack (``one`` when not checked)."""
+    if flag is None:
+        return one
+    if flag.device != device or flag.dim():
+        flag = flag.to(device).reshape(())
+    return flag if flag.dtype in (torch.bool, torch.float32) else flag.to(torch.float32)
 
 
 def _stack_on(values: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
