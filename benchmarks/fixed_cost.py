@@ -51,9 +51,11 @@ DETAIL = {
     "capture: RNG state": ("nantrace.capture", "RngState", "current"),
     "capture: autocast state": ("nantrace.capture", "AutocastState", "current"),
     "capture: buffers": ("nantrace.capture", "BufferPlan", "snapshot"),
-    "capture: finiteness flags (in+out)": ("nantrace.step_capture", None, "all_finite"),
+    "capture: input/output extremes": ("nantrace.capture", None, "_extend_extremes"),
+    "capture: loss tape resume": ("nantrace.loss_tape", "LossTape", "resume"),
     "capture: reset": ("nantrace.step_capture", "StepRecorder", "reset"),
     "decide: gradient list": ("nantrace.decision", None, "gradients"),
+    "decide: finiteness flags": ("nantrace.capture", "StepCapture", "finite_flags"),
     "decide: stage (norms, vector)": ("nantrace.decision", None, "stage"),
     "decide: read (host sync)": ("nantrace.decision", None, "read"),
     "decide: finish": ("nantrace.decision", None, "finish"),
@@ -67,6 +69,7 @@ DETAIL = {
     "monitors: logits": ("nantrace.dynamics.logits", "LogitSaturationMonitor", "_on_step"),
     "monitors: clipping": ("nantrace.dynamics.clipping", "ClipMonitor", "_on_step"),
     "store: log_step": ("nantrace.storage.runstore", "RunStore", "log_step"),
+    "guard: backward patch check (ensure)": ("nantrace.patches", "FunctionPatch", "ensure"),
     "guard: learning rates": ("nantrace.guard", "Guard", "_lrs"),
 }
 """``--detail``: the parts inside the hooks, each timed on its own (label: module, class or
