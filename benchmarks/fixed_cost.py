@@ -52,6 +52,7 @@ DETAIL = {
     "capture: autocast state": ("nantrace.capture", "AutocastState", "current"),
     "capture: buffers": ("nantrace.capture", "BufferPlan", "snapshot"),
     "capture: input/output extremes": ("nantrace.capture", None, "_extend_extremes"),
+    "capture: finiteness flags (before issue 13 item 4)": ("nantrace.step_capture", None, "all_finite"),
     "capture: loss tape resume": ("nantrace.loss_tape", "LossTape", "resume"),
     "capture: reset": ("nantrace.step_capture", "StepRecorder", "reset"),
     "decide: gradient list": ("nantrace.decision", None, "gradients"),
@@ -96,7 +97,8 @@ def _detail_targets() -> dict[str, tuple[Any, str]]:
         owner = importlib.import_module(module)
         if cls is not None:
             owner = getattr(owner, cls)
-        out[label] = (owner, attr)
+        if hasattr(owner, attr):  # an older nantrace may lack a part: it is left out of the table
+            out[label] = (owner, attr)
     return out
 
 
@@ -168,7 +170,9 @@ def print_detail(rows: Sequence[dict[str, Any]]) -> None:
     print()
     print("| part | " + " | ".join(f"{r['model']} median / mean µs" for r in rows) + " |")
     print("|---|" + "---|" * len(rows))
-    for label in rows[0]["detail_us"]:
+    for label in DETAIL:
+        if label not in rows[0]["detail_us"]:
+            continue
         cells = [f"{r['detail_us'][label][0]:.1f} / {r['detail_us'][label][1]:.1f}" for r in rows]
         print(f"| {label} | " + " | ".join(cells) + " |")
 

@@ -108,7 +108,7 @@ def test_missing_gradients_still_take_the_exact_index(minimal, one_thread):
     assert len(ctx.health.grad_norms) == len(ctx.grad_index)
 
 
-def test_forward_hooks_keep_extremes_and_no_flag_arithmetic(monkeypatch, minimal, one_thread):
+def test_a_healthy_step_runs_no_finiteness_kernel(monkeypatch, minimal, one_thread):
     model, opt = _model()
     x, y = torch.randn(4, 8), torch.randn(4, 2)
     counts = {"aminmax": 0, "isfinite": 0}
@@ -120,16 +120,28 @@ def test_forward_hooks_keep_extremes_and_no_flag_arithmetic(monkeypatch, minimal
                 _name, counts[_name] + 1) or _real(*a, **k))
         model(x)  # one forward: one input, one output
         capture = guard.recorder.capture
-        assert counts == {"aminmax": 2, "isfinite": 0}
+        assert counts == {"aminmax": 2, "isfinite": 0}  # the hooks keep extremes, no flag arithmetic
         assert len(capture.input_extremes) == 2 and len(capture.output_extremes) == 2
-        inputs_ok, outputs_ok = capture.finite_flags()
-        assert bool(inputs_ok) and bool(outputs_ok)
-        assert counts["isfinite"] == 1  # both flags at once, at the check
+        guard.recorder.reset()
+        _step(model, opt, x, y)  # a whole step: the extremes are judged on the host after the one read
+        assert counts == {"aminmax": 4, "isfinite": 0}
+        assert guard.last_step is not None and not guard.incidents
+
+
+def _health(x: torch.Tensor, out: torch.Tensor):
+    from nantrace.detection.sentinel import finish, read, stage
+
+    cap = StepCapture()
+    cap.note_inputs([x, torch.empty(0)])  # an empty tensor has no extremes and is skipped
+    cap.note_outputs([out])
+    staged = stage(grads=[torch.ones(3)], params=[torch.ones(3)], losses=[torch.tensor(0.5)], inputs_ok=None,
+                   outputs_ok=None, scale=None, grads_scaled=False, input_extremes=cap.input_extremes,
+                   output_extremes=cap.output_extremes)
+    return cap, staged, finish(staged, read(staged)[0])
 
 
 @pytest.mark.parametrize("bad_in, bad_out", [(True, False), (False, True), (True, True), (False, False)])
-def test_flags_from_extremes_are_exact(bad_in, bad_out):
-    cap = StepCapture()
+def test_extremes_judged_on_the_host_are_exact(bad_in, bad_out):
     x = torch.randn(3, 4, dtype=torch.float64)
     x[0, 0] = 1e300  # finite in float64, beyond float32: must not read as overflow
     if bad_in:
@@ -137,10 +149,11 @@ def test_flags_from_extremes_are_exact(bad_in, bad_out):
     out = torch.randn(5).half()
     if bad_out:
         out[3] = math.nan
-    cap.note_inputs([x, torch.empty(0)])  # an empty tensor has no extremes and is skipped
-    cap.note_outputs([out])
-    inputs_ok, outputs_ok = cap.finite_flags()
-    assert bool(inputs_ok) is (not bad_in) and bool(outputs_ok) is (not bad_out)
+    cap, staged, health = _health(x, out)
+    assert health.inputs_finite is (not bad_in) and health.outputs_finite is (not bad_out)
+    assert health.grad_norms == [pytest.approx(math.sqrt(3))] and health.param_norms == [pytest.approx(math.sqrt(3))]
+    assert staged.vector.dtype == torch.float32
+    assert staged.local_flags.tolist() == [float(not bad_in), float(not bad_out), 1.0]  # the device view agrees
     assert bool(cap.inputs_ok) is (not bad_in) and bool(cap.outputs_ok) is (not bad_out)
 
 
@@ -150,12 +163,10 @@ def test_flags_with_several_forwards_and_an_explicit_flag():
     cap.note_inputs([torch.tensor([1.0, math.inf])])  # a second forward (gradient accumulation)
     cap.note_outputs([torch.ones(2)])
     assert bool(cap.inputs_ok) is False and bool(cap.outputs_ok) is True
-    inputs_ok, outputs_ok = cap.finite_flags()  # two input pairs, one output pair: the general path
-    assert bool(inputs_ok) is False and bool(outputs_ok) is True
     cap.outputs_ok = torch.tensor(False)  # a replay sets the flag it read from a bundle
     assert cap.output_extremes == [] and bool(cap.outputs_ok) is False
     empty = StepCapture()
-    assert empty.finite_flags() == (None, None)
+    assert empty.inputs_ok is None and empty.outputs_ok is None
 
 
 def test_a_nonfinite_input_is_still_caught_at_the_step(minimal, one_thread):

@@ -113,12 +113,14 @@ class CallRecord:
 class StepCapture:
     """Everything the guard gathered between two optimizer steps.
 
-    The model's input and output finiteness is kept as each tensor's ``aminmax`` (one kernel
-    per tensor in the forward hooks, no flag arithmetic there): the flags are formed once, at
-    the step's check (:meth:`finite_flags`), or on demand (:attr:`inputs_ok`, :attr:`outputs_ok`).
+    The model's input and output finiteness is kept as each floating tensor's minimum and
+    maximum (one ``aminmax`` kernel per tensor in the forward hooks, no flag arithmetic there):
+    the step's check reads them in its one host transfer and judges them on the host
+    (:func:`nantrace.detection.sentinel.stage`), so a healthy step runs no finiteness kernel at all.
+    :attr:`inputs_ok` / :attr:`outputs_ok` form a device flag on demand (bundle, localiser).
     """
 
-    __slots__ = ("losses", "forwards", "calls", "input_extremes", "output_extremes", "_inputs_ok", "_outputs_ok",
+    __slots__ = ("losses", "forwards", "calls", "input_extremes", "output_extremes", "inputs_flag", "outputs_flag",
                  "local_grads_ok", "tape")
 
     def __init__(self, losses: list[torch.Tensor] | None = None, forwards: list[ForwardRecord] | None = None,
@@ -129,11 +131,14 @@ class StepCapture:
         self.forwards: list[ForwardRecord] = [] if forwards is None else forwards
         self.calls: list[CallRecord] = [] if calls is None else calls
         self.input_extremes: list[torch.Tensor] = []
-        """Minimum and maximum of every floating model input, in pairs (NaN/Inf propagate into them)."""
+        """Minimum and maximum of every floating model input, in pairs: float32/16/bf16 as they are
+        (NaN/Inf propagate into them), other dtypes as 0.0/NaN in float32 (finiteness only)."""
         self.output_extremes: list[torch.Tensor] = []
         """The same for the model's floating outputs."""
-        self._inputs_ok = inputs_ok
-        self._outputs_ok = outputs_ok
+        self.inputs_flag: torch.Tensor | None = inputs_ok
+        """An explicit 0-dim bool input flag (``and_inputs``), on top of the extremes; usually ``None``."""
+        self.outputs_flag: torch.Tensor | None = outputs_ok
+        """An explicit 0-dim bool output flag (a replay sets the one its bundle recorded); usually ``None``."""
         self.local_grads_ok = local_grads_ok
         self.tape = tape
         """The step's :class:`~nantrace.loss_tape.LossTape` (the loss code's calls), when one is kept."""
@@ -149,64 +154,54 @@ class StepCapture:
     @property
     def inputs_ok(self) -> torch.Tensor | None:
         """0-dim bool: every model input of the step was finite (``None``: none checked)."""
-        return _combine_flag(self._inputs_ok, self.input_extremes)
+        return _combine_flag(self.inputs_flag, self.input_extremes)
 
     @inputs_ok.setter
     def inputs_ok(self, flag: torch.Tensor | None) -> None:
-        self._inputs_ok, self.input_extremes = flag, []
+        self.inputs_flag, self.input_extremes = flag, []
 
     @property
     def outputs_ok(self) -> torch.Tensor | None:
         """0-dim bool: every model output of the step was finite (``None``: none checked)."""
-        return _combine_flag(self._outputs_ok, self.output_extremes)
+        return _combine_flag(self.outputs_flag, self.output_extremes)
 
     @outputs_ok.setter
     def outputs_ok(self, flag: torch.Tensor | None) -> None:
-        self._outputs_ok, self.output_extremes = flag, []
+        self.outputs_flag, self.output_extremes = flag, []
 
     def and_inputs(self, flag: torch.Tensor) -> None:
-        self._inputs_ok = flag if self._inputs_ok is None else self._inputs_ok & flag
+        self.inputs_flag = flag if self.inputs_flag is None else self.inputs_flag & flag
 
     def and_outputs(self, flag: torch.Tensor) -> None:
-        self._outputs_ok = flag if self._outputs_ok is None else self._outputs_ok & flag
+        self.outputs_flag = flag if self.outputs_flag is None else self.outputs_flag & flag
 
     def and_local_grads(self, flag: torch.Tensor) -> None:
         self.local_grads_ok = flag if self.local_grads_ok is None else self.local_grads_ok & flag.to(self.local_grads_ok.device)
 
     def with_forwards(self, forwards: list[ForwardRecord]) -> "StepCapture":
         """A copy of this capture with other forward records (e.g. rescaled inputs), the rest shared."""
-        out = StepCapture(losses=self.losses, forwards=forwards, calls=self.calls, inputs_ok=self._inputs_ok,
-                          outputs_ok=self._outputs_ok, local_grads_ok=self.local_grads_ok, tape=self.tape)
+        out = StepCapture(losses=self.losses, forwards=forwards, calls=self.calls, inputs_ok=self.inputs_flag,
+                          outputs_ok=self.outputs_flag, local_grads_ok=self.local_grads_ok, tape=self.tape)
         out.input_extremes, out.output_extremes = self.input_extremes, self.output_extremes
         return out
 
-    def finite_flags(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(inputs ok, outputs ok) as 0-dim bool tensors, ``None`` where nothing was checked.
 
-        The common step (explicit flags absent, extremes of both kinds on one device) costs
-        three kernels for both flags together: one stack, one ``isfinite``, one ``all`` per row.
-        """
-        ins, outs = self.input_extremes, self.output_extremes
-        if self._inputs_ok is None and self._outputs_ok is None and ins and len(ins) == len(outs):
-            try:
-                both = torch.isfinite(torch.stack([*ins, *outs]).reshape(2, -1)).all(1)
-            except RuntimeError:  # extremes on several devices: one flag at a time
-                pass
-            else:
-                return both[0], both[1]
-        return self.inputs_ok, self.outputs_ok
+_EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
+"""Dtypes whose values keep their finiteness in float32 (the step's read vector)."""
 
 
 def _extend_extremes(into: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         if t.numel():
-            lo, hi = torch.aminmax(t.detach())  # mixed dtypes are promoted by the stack at the check: no rounding to inf
+            lo, hi = torch.aminmax(t.detach())
+            if lo.dtype not in _EXACT_IN_FLOAT32:  # float64: 1e300 is finite but not in float32; keep 0.0/NaN
+                lo, hi = (lo * 0).float(), (hi * 0).float()
             into.append(lo)
             into.append(hi)
 
 
 def _combine_flag(flag: torch.Tensor | None, extremes: list[torch.Tensor]) -> torch.Tensor | None:
-    """An explicit flag and'ed with the finiteness of the kept extremes."""
+    """An explicit flag and'ed with the finiteness of the kept extremes (``None``: nothing checked)."""
     if not extremes:
         return flag
     device = extremes[0].device

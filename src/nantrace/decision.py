@@ -92,13 +92,14 @@ class StepJudge:
         scaler = watched.scaler
         grads, grad_index = self._gradients(watched.params)
         device = grads[0].device if grads else torch.device("cpu")
-        inputs_ok, outputs_ok = capture.finite_flags()
         staged = stage(
             grads=grads,
             params=watched.params if cfg.check_params else [],
             losses=capture.losses or [c.loss for c in capture.calls if c.loss is not None],
-            inputs_ok=inputs_ok,
-            outputs_ok=outputs_ok,
+            inputs_ok=capture.inputs_flag,
+            outputs_ok=capture.outputs_flag,
+            input_extremes=capture.input_extremes,
+            output_extremes=capture.output_extremes,
             local_grads_ok=capture.local_grads_ok,
             scale=getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None,
             grads_scaled=grads_scaled and scaler is not None,

@@ -68,8 +68,11 @@ class StagedHealth:
     """The step's figures reduced on the device, not yet read (see :func:`stage`).
 
     ``vector`` is ``[loss, grad norm, param norm, inputs ok, outputs ok, local grads ok,
-    scale, per-gradient norms..., per-parameter norms...]`` in float32. A caller may add
-    device work that depends on it (the cross-rank agreement) before the one read.
+    scale, per-gradient norms..., per-parameter norms..., input extremes..., output extremes...]``
+    in float32. The flags in the head are the explicit ones (1.0 when only extremes were given):
+    the extremes are judged on the host by :func:`finish`, and on the device only when a caller
+    asks for :attr:`local_flags` (the cross-rank agreement). A caller may add device work that
+    depends on the vector before the one read.
     """
 
     vector: torch.Tensor
@@ -79,6 +82,10 @@ class StagedHealth:
     grads_scaled: bool
     grad_norms: list[torch.Tensor]
     param_norms: list[torch.Tensor]
+    n_input_extremes: int = 0
+    """How many input extremes follow the per-parameter norms in ``vector`` (judged on the host)."""
+    n_output_extremes: int = 0
+    """How many output extremes follow them."""
 
     @property
     def loss(self) -> torch.Tensor:
@@ -98,8 +105,18 @@ class StagedHealth:
 
     @property
     def local_flags(self) -> torch.Tensor:
-        """``[inputs ok, outputs ok, local grads ok]`` (1.0 = finite)."""
-        return self.vector[3:6]
+        """``[inputs ok, outputs ok, local grads ok]`` (1.0 = finite), the extremes included
+        (formed on the device here, on demand: a single process never asks)."""
+        flags = self.vector[3:6]
+        if not (self.n_input_extremes or self.n_output_extremes):
+            return flags
+        start = 7 + len(self.grad_norms) + len(self.param_norms)
+        finite = torch.isfinite(self.vector[start:])
+        n_in = self.n_input_extremes
+        one = torch.ones((), dtype=torch.bool, device=flags.device)
+        ok = torch.stack([finite[:n_in].all() if n_in else one,
+                          finite[n_in:].all() if self.n_output_extremes else one, one])
+        return flags * ok.to(flags.dtype)
 
     def unscaled_grad_norm64(self) -> torch.Tensor:
         """The total gradient norm in float64 exactly as :func:`finish` computes it on the host
@@ -123,22 +140,28 @@ def stage(
     local_grads_ok: torch.Tensor | None = None,
     scale: torch.Tensor | None,
     grads_scaled: bool,
+    input_extremes: Sequence[torch.Tensor] = (),
+    output_extremes: Sequence[torch.Tensor] = (),
 ) -> StagedHealth:
     """Reduce the step's tensors to one device vector (no host read).
 
-    About ten kernels whatever the model: one ``_foreach_norm`` over gradients and parameters
-    together, one stack of those norms, the two totals, the flags' conversion, one stack of the
-    head and one concatenation. Constants come from a per-device cache; no tensor is made per
-    gradient or parameter beyond its norm.
+    Six kernels whatever the model: one ``_foreach_norm`` over gradients and parameters
+    together, one stack of those norms with the inputs' and outputs' extremes (``aminmax``
+    values kept by the forward hooks: finite exactly when every element is), the two totals,
+    one stack of the head and one concatenation. No finiteness kernel runs: the extremes are
+    judged on the host after the read. Constants come from a per-device cache; no tensor is
+    made per gradient or parameter beyond its norm.
     """
     device = _pick_device(grads, params, losses)
     nan, one = _constants(device)
     ng = len(grads)
     norms = _norms([*grads, *params])
     gn, pn = norms[:ng], norms[ng:]
-    nvec = _stack_on(norms, device)
+    nvec = _stack_on([*norms, *input_extremes, *output_extremes], device)
     gvec = nvec[:ng] if gn else None
-    pvec = nvec[ng:] if pn else None
+    pvec = nvec[ng:len(norms)] if pn else None
+    if nvec is not None and nvec.dtype != torch.float32:  # extremes in another dtype than StepCapture keeps
+        nvec = nvec.float()
     head = [
         _mean_loss(losses, device) if losses else nan,
         torch.linalg.vector_norm(gvec) if gvec is not None else nan,
@@ -150,7 +173,8 @@ def stage(
     ]
     head_vec = torch.stack(head)  # the bool flags are promoted to float32 (1.0 = finite) by the stack itself
     vec = torch.cat([head_vec, nvec]) if nvec is not None else head_vec
-    return StagedHealth(vec, grads, params, bool(losses), grads_scaled, gn, pn)
+    return StagedHealth(vec, grads, params, bool(losses), grads_scaled, gn, pn,
+                        n_input_extremes=len(input_extremes), n_output_extremes=len(output_extremes))
 
 
 def read(staged: StagedHealth, extra: torch.Tensor | None = None) -> tuple[list[float], Any]:
@@ -177,8 +201,13 @@ def finish(staged: StagedHealth, host: list[float]) -> StepHealth:
     norm overflowed while every element is finite."""
     grads, params, gn, pn = staged.grads, staged.params, staged.grad_norms, staged.param_norms
     loss, gnorm, pnorm, in_ok, out_ok, local_ok, sc = host[:7]
+    end = 7 + len(gn) + len(pn)
     grad_norms = host[7 : 7 + len(gn)]
-    param_norms = host[7 + len(gn) :]
+    param_norms = host[7 + len(gn) : end]
+    if staged.n_input_extremes or staged.n_output_extremes:  # the model's inputs and outputs, judged here
+        mid = end + staged.n_input_extremes
+        in_ok = in_ok and _all_finite(host[end:mid])
+        out_ok = out_ok and _all_finite(host[mid : mid + staged.n_output_extremes])
     scale_value = sc if not math.isnan(sc) else None
     # A float32 norm can overflow while every element is finite (large gradients, or a
     # GradScaler's factor): only on that rare path, check exactly and recount in float64.
@@ -225,6 +254,11 @@ def measure(
     staged = stage(grads=grads, params=params, losses=losses, inputs_ok=inputs_ok, outputs_ok=outputs_ok,
                    local_grads_ok=local_grads_ok, scale=scale, grads_scaled=grads_scaled)
     return finish(staged, read(staged)[0])
+
+
+def _all_finite(values: Sequence[float]) -> bool:
+    """Every host value finite (a handful: two extremes per model input or output)."""
+    return all(map(math.isfinite, values))
 
 
 def _exactly_finite(tensors: Sequence[torch.Tensor]) -> bool:
