@@ -69,7 +69,7 @@ def test_one_foreach_norm_covers_gradients_and_parameters(monkeypatch, minimal, 
         monkeypatch.setattr(torch, "_foreach_norm", counting)
         for _ in range(3):
             _step(model, opt, x, y)
-    assert calls == [2 * n] * 3  # one call per step, all gradients and all parameters in it
+    assert calls == [2 * n, 2] * 3  # per step: every gradient and parameter in one call, then both totals in one
 
 
 def test_a_healthy_step_reuses_one_gradient_index(monkeypatch, minimal, one_thread):

@@ -145,10 +145,10 @@ def stage(
 ) -> StagedHealth:
     """Reduce the step's tensors to one device vector (no host read).
 
-    Six kernels whatever the model: one ``_foreach_norm`` over gradients and parameters
+    Five kernels whatever the model: one ``_foreach_norm`` over gradients and parameters
     together, one stack of those norms with the inputs' and outputs' extremes (``aminmax``
-    values kept by the forward hooks: finite exactly when every element is), the two totals,
-    one stack of the head and one concatenation. No finiteness kernel runs: the extremes are
+    values kept by the forward hooks: finite exactly when every element is), one more
+    ``_foreach_norm`` for both totals, one stack of the head and one concatenation. No finiteness kernel runs: the extremes are
     judged on the host after the read. Constants come from a per-device cache; no tensor is
     made per gradient or parameter beyond its norm.
     """
@@ -162,10 +162,11 @@ def stage(
     pvec = nvec[ng:len(norms)] if pn else None
     if nvec is not None and nvec.dtype != torch.float32:  # extremes in another dtype than StepCapture keeps
         nvec = nvec.float()
+    totals = _totals(gvec, pvec, nan)
     head = [
         _mean_loss(losses, device) if losses else nan,
-        torch.linalg.vector_norm(gvec) if gvec is not None else nan,
-        torch.linalg.vector_norm(pvec) if pvec is not None else nan,
+        totals[0],
+        totals[1],
         _flag_on(inputs_ok, device, one),
         _flag_on(outputs_ok, device, one),
         _flag_on(local_grads_ok, device, one),
@@ -289,6 +290,21 @@ def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     if pair is None:
         pair = _CONSTANTS[device] = (torch.full((), float("nan"), device=device), torch.ones((), device=device))
     return pair
+
+
+def _totals(gvec: torch.Tensor | None, pvec: torch.Tensor | None, nan: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L2 norms of the per-gradient and per-parameter norm vectors (the global norms), with the
+    same foreach kernel the per-tensor norms just used (one call, no second kind of kernel)."""
+    present = [v for v in (gvec, pvec) if v is not None]
+    if not present:
+        return nan, nan
+    try:
+        out = list(torch._foreach_norm(present, 2))
+    except (RuntimeError, TypeError):
+        out = [torch.linalg.vector_norm(v) for v in present]
+    g = out.pop(0) if gvec is not None else nan
+    p = out.pop(0) if pvec is not None else nan
+    return g, p
 
 
 def _flag_on(flag: torch.Tensor | None, device: torch.device, one: torch.Tensor) -> torch.Tensor:
