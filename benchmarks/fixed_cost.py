@@ -10,6 +10,7 @@ not the absolute figures, and record ``uptime`` beside them.
 Usage::
 
     python benchmarks/fixed_cost.py --models mlp,cnn --steps 200
+    python benchmarks/fixed_cost.py --models mlp,cnn --steps 200 --detail     # and the parts inside the hooks
     # model  plain step   forward_pre  forward_post  on_loss  decide  prepare  finish_step (monitors)  total  share
     # mlp      6.9 ms        41 µs       38 µs     6 µs   420 µs   3 µs   310 µs (260 µs)        818 µs  11.8 %
 """
@@ -43,6 +44,38 @@ TARGETS = {"_forward_pre": (StepRecorder, "forward_pre"), "_forward_post": (Step
 HOOKS = tuple(TARGETS)
 """``_run_monitors`` runs inside ``_finish_step`` (shown in brackets)."""
 
+DETAIL = {
+    "optimizer_pre (all)": ("nantrace.guard", "Guard", "_optimizer_pre"),
+    "optimizer_post (all)": ("nantrace.guard", "Guard", "_optimizer_post"),
+    "backward patch listeners": ("nantrace.step_capture", "StepRecorder", "on_loss"),
+    "capture: RNG state": ("nantrace.capture", "RngState", "current"),
+    "capture: autocast state": ("nantrace.capture", "AutocastState", "current"),
+    "capture: buffers": ("nantrace.capture", "BufferPlan", "snapshot"),
+    "capture: input/output extremes": ("nantrace.capture", None, "_extend_extremes"),
+    "capture: finiteness flags (before issue 13 item 4)": ("nantrace.step_capture", None, "all_finite"),
+    "capture: loss tape resume": ("nantrace.loss_tape", "LossTape", "resume"),
+    "capture: reset": ("nantrace.step_capture", "StepRecorder", "reset"),
+    "decide: gradient list": ("nantrace.decision", None, "gradients"),
+    "decide: finiteness flags": ("nantrace.capture", "StepCapture", "finite_flags"),
+    "decide: stage (norms, vector)": ("nantrace.decision", None, "stage"),
+    "decide: read (host sync)": ("nantrace.decision", None, "read"),
+    "decide: finish": ("nantrace.decision", None, "finish"),
+    "decide: triage (spikes, divergence)": ("nantrace.decision", None, "triage"),
+    "update check: before": ("nantrace.response.update_check", "UpdateCheck", "before_update"),
+    "update check: after": ("nantrace.response.update_check", "UpdateCheck", "after_update"),
+    "monitors: before_update": ("nantrace.dynamics._common", "SafeMonitor", "before_update"),
+    "monitors: layers": ("nantrace.dynamics.layers", "LayerStatsMonitor", "_on_step"),
+    "monitors: optimizer state": ("nantrace.dynamics.optimizer_state", "OptimizerStateMonitor", "_on_step"),
+    "monitors: activations": ("nantrace.dynamics.activations", "ActivationMonitor", "_on_step"),
+    "monitors: logits": ("nantrace.dynamics.logits", "LogitSaturationMonitor", "_on_step"),
+    "monitors: clipping": ("nantrace.dynamics.clipping", "ClipMonitor", "_on_step"),
+    "store: log_step": ("nantrace.storage.runstore", "RunStore", "log_step"),
+    "guard: backward patch check (ensure)": ("nantrace.patches", "FunctionPatch", "ensure"),
+    "guard: learning rates": ("nantrace.guard", "Guard", "_lrs"),
+}
+"""``--detail``: the parts inside the hooks, each timed on its own (label: module, class or
+``None`` for a module-level function as the caller imported it, attribute)."""
+
 
 def _timed(name: str, fn: Callable[..., Any], spent: dict[str, float]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -56,20 +89,38 @@ def _timed(name: str, fn: Callable[..., Any], spent: dict[str, float]) -> Callab
     return wrapper
 
 
-def measure_model(name: str, *, steps: int, warmup: int, threads: int) -> dict[str, Any]:
+def _detail_targets() -> dict[str, tuple[Any, str]]:
+    import importlib
+
+    out = {}
+    for label, (module, cls, attr) in DETAIL.items():
+        owner = importlib.import_module(module)
+        if cls is not None:
+            owner = getattr(owner, cls)
+        if hasattr(owner, attr):  # an older nantrace may lack a part: it is left out of the table
+            out[label] = (owner, attr)
+    return out
+
+
+def measure_model(name: str, *, steps: int, warmup: int, threads: int, detail: bool = False,
+                  run_dir: str | None = None) -> dict[str, Any]:
     torch.set_num_threads(threads)
     case = CASES[name]
     batches = case.batches(8)
     spent: dict[str, float] = defaultdict(float)
-    originals = {h: getattr(*TARGETS[h]) for h in HOOKS}
+    targets = {**TARGETS, **(_detail_targets() if detail else {})}
+    labels = tuple(targets)
+    originals = {h: owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+                 for h, (owner, attr) in targets.items()}
     for h, fn in originals.items():
-        setattr(TARGETS[h][0], TARGETS[h][1], _timed(h, fn, spent))
+        wrapped = _timed(h, fn.__func__ if isinstance(fn, classmethod) else fn, spent)
+        setattr(targets[h][0], targets[h][1], classmethod(wrapped) if isinstance(fn, classmethod) else wrapped)
     per_step: dict[str, list[float]] = defaultdict(list)
     plain: list[float] = []
     try:
         model = case.build()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        guard = nantrace.watch(model, opt, config=nantrace.Config(print_incidents=False))
+        guard = nantrace.watch(model, opt, run_dir=run_dir, config=nantrace.Config(print_incidents=False))
         for i in range(warmup + steps):
             spent.clear()
             t0 = time.perf_counter()
@@ -78,7 +129,7 @@ def measure_model(name: str, *, steps: int, warmup: int, threads: int) -> dict[s
             opt.step()
             total = time.perf_counter() - t0
             if i >= warmup:
-                for h in HOOKS:
+                for h in labels:
                     per_step[h].append(spent.get(h, 0.0))
                 per_step["step"].append(total)
         guard.close()
@@ -91,12 +142,14 @@ def measure_model(name: str, *, steps: int, warmup: int, threads: int) -> dict[s
                 plain.append(time.perf_counter() - t0)
     finally:
         for h, fn in originals.items():
-            setattr(TARGETS[h][0], TARGETS[h][1], fn)
+            setattr(targets[h][0], targets[h][1], fn)
     med = {h: statistics.median(v) * 1e6 for h, v in per_step.items()}
+    mean = {h: statistics.fmean(v) * 1e6 for h, v in per_step.items()}
     own = sum(med[h] for h in HOOKS if h != "_run_monitors")
     return {"model": name, "steps": steps, "plain_step_ms": statistics.median(plain) * 1e3,
             "watched_step_ms": med["step"] / 1e3, "hooks_us": {h: med[h] for h in HOOKS}, "guard_us": own,
-            "share_of_plain": own / (statistics.median(plain) * 1e6)}
+            "share_of_plain": own / (statistics.median(plain) * 1e6),
+            "detail_us": {h: (med[h], mean[h]) for h in labels if h not in HOOKS}}
 
 
 def print_table(rows: Sequence[dict[str, Any]]) -> None:
@@ -110,6 +163,20 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
               f"{r['share_of_plain'] * 100:.1f} % |")
 
 
+def print_detail(rows: Sequence[dict[str, Any]]) -> None:
+    """The parts inside the hooks: median and mean µs per step (the mean includes sampled steps)."""
+    if not rows or not rows[0]["detail_us"]:
+        return
+    print()
+    print("| part | " + " | ".join(f"{r['model']} median / mean µs" for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for label in DETAIL:
+        if label not in rows[0]["detail_us"]:
+            continue
+        cells = [f"{r['detail_us'][label][0]:.1f} / {r['detail_us'][label][1]:.1f}" for r in rows]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="mlp,cnn,gpt")
@@ -117,9 +184,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--detail", action="store_true", help="also time the parts inside the hooks (DETAIL)")
+    ap.add_argument("--run-dir", action="store_true", help="watch with a run directory (the run store's rows)")
     args = ap.parse_args(argv)
-    rows = [measure_model(m, steps=args.steps, warmup=args.warmup, threads=args.threads) for m in args.models.split(",")]
+    import tempfile
+
+    rows = []
+    for m in args.models.split(","):
+        with tempfile.TemporaryDirectory(prefix="nantrace-fixed-cost-") as tmp:
+            rows.append(measure_model(m, steps=args.steps, warmup=args.warmup, threads=args.threads,
+                                      detail=args.detail, run_dir=tmp if args.run_dir else None))
     print_table(rows)
+    print_detail(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

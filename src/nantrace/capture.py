@@ -22,6 +22,12 @@ class AutocastState:
 
     @classmethod
     def current(cls) -> "AutocastState":
+        """The autocast state now. With no autocast on anywhere (one query), the dtypes are only
+        needed to describe the state, so an equal state is built from them without re-asking
+        which device is enabled (two queries instead of four)."""
+        if not _any_autocast_enabled():
+            return cls(cpu_enabled=False, cpu_dtype=torch.get_autocast_dtype("cpu"),
+                       cuda_enabled=False, cuda_dtype=torch.get_autocast_dtype("cuda"))
         return cls(
             cpu_enabled=torch.is_autocast_enabled("cpu"),
             cpu_dtype=torch.get_autocast_dtype("cpu"),
@@ -48,6 +54,14 @@ class AutocastState:
             "cuda_enabled": self.cuda_enabled,
             "cuda_dtype": str(self.cuda_dtype),
         }
+
+
+def _any_autocast_enabled() -> bool:
+    """Whether autocast is on for any device (one call into torch where it has the query)."""
+    query = getattr(torch._C, "_is_any_autocast_enabled", None)
+    if query is not None:
+        return bool(query())
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
 
 
 @dataclasses.dataclass
@@ -96,29 +110,105 @@ class CallRecord:
     loss: torch.Tensor | None = None
 
 
-@dataclasses.dataclass
 class StepCapture:
-    """Everything the guard gathered between two optimizer steps."""
+    """Everything the guard gathered between two optimizer steps.
 
-    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    forwards: list[ForwardRecord] = dataclasses.field(default_factory=list)
-    calls: list[CallRecord] = dataclasses.field(default_factory=list)
-    inputs_ok: torch.Tensor | None = None
-    outputs_ok: torch.Tensor | None = None
-    local_grads_ok: torch.Tensor | None = None
-    tape: Any = None
-    """The step's :class:`~nantrace.loss_tape.LossTape` (the loss code's calls), when one is kept."""
-    prelude: Any = None
-    """The step's code before the model's forward, taped (a prelude :class:`~nantrace.loss_tape.LossTape`)."""
+    The model's input and output finiteness is kept as each floating tensor's minimum and
+    maximum (one ``aminmax`` kernel per tensor in the forward hooks, no flag arithmetic there):
+    the step's check reads them in its one host transfer and judges them on the host
+    (:func:`nantrace.detection.sentinel.stage`), so a healthy step runs no finiteness kernel at all.
+    :attr:`inputs_ok` / :attr:`outputs_ok` form a device flag on demand (bundle, localiser).
+    """
+
+    __slots__ = ("losses", "forwards", "calls", "input_extremes", "output_extremes", "inputs_flag", "outputs_flag",
+                 "local_grads_ok", "tape", "prelude")
+
+    def __init__(self, losses: list[torch.Tensor] | None = None, forwards: list[ForwardRecord] | None = None,
+                 calls: list[CallRecord] | None = None, inputs_ok: torch.Tensor | None = None,
+                 outputs_ok: torch.Tensor | None = None, local_grads_ok: torch.Tensor | None = None,
+                 tape: Any = None, prelude: Any = None) -> None:
+        self.losses: list[torch.Tensor] = [] if losses is None else losses
+        self.forwards: list[ForwardRecord] = [] if forwards is None else forwards
+        self.calls: list[CallRecord] = [] if calls is None else calls
+        self.input_extremes: list[torch.Tensor] = []
+        """Minimum and maximum of every floating model input, in pairs: float32/16/bf16 as they are
+        (NaN/Inf propagate into them), other dtypes as 0.0/NaN in float32 (finiteness only)."""
+        self.output_extremes: list[torch.Tensor] = []
+        """The same for the model's floating outputs."""
+        self.inputs_flag: torch.Tensor | None = inputs_ok
+        """An explicit 0-dim bool input flag (``and_inputs``), on top of the extremes; usually ``None``."""
+        self.outputs_flag: torch.Tensor | None = outputs_ok
+        """An explicit 0-dim bool output flag (a replay sets the one its bundle recorded); usually ``None``."""
+        self.local_grads_ok = local_grads_ok
+        self.tape = tape
+        """The step's :class:`~nantrace.loss_tape.LossTape` (the loss code's calls), when one is kept."""
+        self.prelude = prelude
+        """The step's code before the model's forward, taped (a prelude :class:`~nantrace.loss_tape.LossTape`)."""
+
+    def note_inputs(self, tensors: list[torch.Tensor]) -> None:
+        """Keep the extremes of the forward's floating inputs (one ``aminmax`` each, no sync)."""
+        _extend_extremes(self.input_extremes, tensors)
+
+    def note_outputs(self, tensors: list[torch.Tensor]) -> None:
+        """Keep the extremes of the forward's floating outputs (one ``aminmax`` each, no sync)."""
+        _extend_extremes(self.output_extremes, tensors)
+
+    @property
+    def inputs_ok(self) -> torch.Tensor | None:
+        """0-dim bool: every model input of the step was finite (``None``: none checked)."""
+        return _combine_flag(self.inputs_flag, self.input_extremes)
+
+    @inputs_ok.setter
+    def inputs_ok(self, flag: torch.Tensor | None) -> None:
+        self.inputs_flag, self.input_extremes = flag, []
+
+    @property
+    def outputs_ok(self) -> torch.Tensor | None:
+        """0-dim bool: every model output of the step was finite (``None``: none checked)."""
+        return _combine_flag(self.outputs_flag, self.output_extremes)
+
+    @outputs_ok.setter
+    def outputs_ok(self, flag: torch.Tensor | None) -> None:
+        self.outputs_flag, self.output_extremes = flag, []
 
     def and_inputs(self, flag: torch.Tensor) -> None:
-        self.inputs_ok = flag if self.inputs_ok is None else self.inputs_ok & flag
+        self.inputs_flag = flag if self.inputs_flag is None else self.inputs_flag & flag
 
     def and_outputs(self, flag: torch.Tensor) -> None:
-        self.outputs_ok = flag if self.outputs_ok is None else self.outputs_ok & flag
+        self.outputs_flag = flag if self.outputs_flag is None else self.outputs_flag & flag
 
     def and_local_grads(self, flag: torch.Tensor) -> None:
         self.local_grads_ok = flag if self.local_grads_ok is None else self.local_grads_ok & flag.to(self.local_grads_ok.device)
+
+    def with_forwards(self, forwards: list[ForwardRecord]) -> "StepCapture":
+        """A copy of this capture with other forward records (e.g. rescaled inputs), the rest shared."""
+        out = StepCapture(losses=self.losses, forwards=forwards, calls=self.calls, inputs_ok=self.inputs_flag,
+                          outputs_ok=self.outputs_flag, local_grads_ok=self.local_grads_ok, tape=self.tape)
+        out.input_extremes, out.output_extremes = self.input_extremes, self.output_extremes
+        return out
+
+
+_EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
+"""Dtypes whose values keep their finiteness in float32 (the step's read vector)."""
+
+
+def _extend_extremes(into: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        if t.numel():
+            lo, hi = torch.aminmax(t.detach())
+            if lo.dtype not in _EXACT_IN_FLOAT32:  # float64: 1e300 is finite but not in float32; keep 0.0/NaN
+                lo, hi = (lo * 0).float(), (hi * 0).float()
+            into.append(lo)
+            into.append(hi)
+
+
+def _combine_flag(flag: torch.Tensor | None, extremes: list[torch.Tensor]) -> torch.Tensor | None:
+    """An explicit flag and'ed with the finiteness of the kept extremes (``None``: nothing checked)."""
+    if not extremes:
+        return flag
+    device = extremes[0].device
+    ok = torch.isfinite(torch.stack([e.to(device) for e in extremes])).all()
+    return ok if flag is None else flag.to(device) & ok
 
 
 def floating_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,6 +69,15 @@ class StepJudge:
         self.divergence = DivergenceDetector(min_steps=det.divergence_steps, min_factor=det.divergence_factor)
         self.last_applied: int | None = None
         """The last step whose update landed."""
+        self._full_index: list[int] = []
+        """``[0, 1, ..., n - 1]`` for the watched parameters: the gradient index of a step where every
+        parameter has a gradient, made once and handed out again (never mutated by its readers)."""
+
+    def gradients(self, params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+        """The step's gradients and their parameters' indices (:func:`gradients`, its index list cached)."""
+        if len(self._full_index) != len(params):
+            self._full_index = list(range(len(params)))
+        return gradients(params, self._full_index)
 
     def decide(self, watched: Watched, capture: StepCapture, *, grads_scaled: bool, via_scaler: bool,
                loaded_state: Callable[[bool], Finding | None], lrs: list[float],
@@ -84,13 +94,15 @@ class StepJudge:
                 history: Sequence[dict[str, Any]]) -> Decision:
         cfg = watched.config.detection
         scaler = watched.scaler
-        grads, grad_index = gradients(watched.params)
+        grads, grad_index = self.gradients(watched.params)
         staged = stage(
             grads=grads,
             params=watched.params if cfg.check_params else [],
-            losses=capture.losses + [c.loss for c in capture.calls if c.loss is not None and not capture.losses],
-            inputs_ok=capture.inputs_ok,
-            outputs_ok=capture.outputs_ok,
+            losses=capture.losses or [c.loss for c in capture.calls if c.loss is not None],
+            inputs_ok=capture.inputs_flag,
+            outputs_ok=capture.outputs_flag,
+            input_extremes=capture.input_extremes,
+            output_extremes=capture.output_extremes,
             local_grads_ok=capture.local_grads_ok,
             scale=getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None,
             grads_scaled=grads_scaled and scaler is not None,
@@ -168,8 +180,17 @@ class StepJudge:
         return agreement, finding
 
 
-def gradients(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
-    """The step's gradients (sparse ones as their values) and the index of each one's parameter."""
+def gradients(params: Sequence[torch.Tensor], full_index: list[int] | None = None) -> tuple[list[torch.Tensor], list[int]]:
+    """The step's gradients (sparse ones as their values) and the index of each one's parameter.
+
+    The common step (every parameter has a dense gradient) is read with C-level scans (``map``
+    over the parameters, no Python loop body) and returns ``full_index`` itself when given
+    (``list(range(len(params)))``, cached by the caller), so nothing is built per parameter
+    beyond the list of gradients. Missing or sparse gradients take the per-parameter path.
+    """
+    grads = list(map(_GRAD, params))
+    if not any(map(_IS_NONE, grads)) and not any(map(_IS_SPARSE, grads)):
+        return grads, full_index if full_index is not None else list(range(len(grads)))
     grads, index = [], []
     for i, p in enumerate(params):
         g = p.grad
@@ -180,6 +201,14 @@ def gradients(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[
         grads.append(g)
         index.append(i)
     return grads, index
+
+
+_GRAD = operator.attrgetter("grad")
+_IS_SPARSE = operator.attrgetter("is_sparse")
+
+
+def _IS_NONE(x: object) -> bool:  # noqa: N802 - used as a map function, like the getters above
+    return x is None
 
 
 def incident_from_finding(watched: Watched, finding: Finding, health: StepHealth, grads: list[torch.Tensor],

@@ -118,6 +118,8 @@ class Guard:
                                policy=on_anomaly, rank=self.rank, world_size=self.world_size, sharded=self.sharded,
                                _state=self.state)
         """What this guard watches, as the read-only view its components receive."""
+        self._param_names = list(param_names)
+        """The names as the list every step's :class:`StepContext` shares (made once, not per step)."""
 
         self._handles: list[Any] = []
         self._patches = PatchUnit(id(self))
@@ -492,15 +494,16 @@ class Guard:
             history.append(row)
         if not skipped:
             self.judge.last_applied = self.step
+        lrs = self._lrs() if self.store is not None or self.monitors else []  # once per step, after the update
         with self.store.transaction() if self.store is not None else contextlib.nullcontext():  # one commit per step
             if self.store is not None:
                 self.store.log_step(
                     step=self.step, loss=health.loss, grad_norm=health.grad_norm, param_norm=health.param_norm,
-                    lr=self._lrs(), scale=health.scale, skipped=skipped, action=action,
+                    lr=lrs, scale=health.scale, skipped=skipped, action=action,
                     incident=decision.incident.id if decision.incident is not None else None,
                 )
             if self.monitors and not raised:
-                self._run_monitors(decision, applied=not skipped)
+                self._run_monitors(decision, applied=not skipped, lrs=lrs)
 
     def _next_step(self) -> None:
         self.state.step += 1
@@ -510,9 +513,9 @@ class Guard:
         self.state.unscaled = False
         BACKWARD.ensure()  # another tool's clean-up may have dropped our layer: wrap again
 
-    def _run_monitors(self, decision: Decision, *, applied: bool) -> None:
+    def _run_monitors(self, decision: Decision, *, applied: bool, lrs: list[float] | None = None) -> None:
         ctx = StepContext(step=self.step, health=decision.health, grad_index=decision.grad_index,
-                          param_names=list(self.watched.param_names), applied=applied, lrs=self._lrs())
+                          param_names=self._param_names, applied=applied, lrs=self._lrs() if lrs is None else lrs)
         for monitor in self.monitors:
             for signal in monitor.on_step(ctx):
                 self.reporter.report_signal(signal)

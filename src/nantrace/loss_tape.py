@@ -172,7 +172,8 @@ class LossTape(TorchFunctionMode):
         self.loss = None
         self.losses = []
         self.failed = None
-        self._made = WeakTensorKeyDictionary()
+        if self._made:  # a fresh table only when the step taped something (most steps of a model-only loss: none)
+            self._made = WeakTensorKeyDictionary()
 
     # ------------------------------------------------------------------ recording
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:

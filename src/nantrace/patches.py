@@ -151,7 +151,10 @@ class FunctionPatch:
                 setattr(self._owner(), self._attr, self._layers.pop()._nantrace_original)  # type: ignore[attr-defined]
 
     def _owner(self) -> Any:
-        return importlib.import_module(self._module) if self._module != "sys" else sys
+        if self._module == "sys":
+            return sys
+        owner = sys.modules.get(self._module)  # a dict look-up: ``ensure`` asks once per step
+        return owner if owner is not None else importlib.import_module(self._module)
 
     def _activate(self) -> None:
         owner = self._owner()

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from .capture import AutocastState, BufferPlan, CallRecord, ForwardRecord, RngState, StepCapture, all_finite, floating_tensors
+from .capture import AutocastState, BufferPlan, CallRecord, ForwardRecord, RngState, StepCapture, floating_tensors
 from .loss_tape import PRELUDE_ENTRIES, LossTape
 from .watched import Watched
 
@@ -103,9 +103,7 @@ class StepRecorder:
                                buffers=self.buffers.snapshot())
         self.capture.forwards.append(record)
         if self.watched.config.detection.check_inputs:
-            flag = all_finite(floating_tensors((args, kwargs)))
-            if flag is not None:
-                self.capture.and_inputs(flag)
+            self.capture.note_inputs(floating_tensors((args, kwargs)))
 
     def forward_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if output is None and sys.exc_info()[1] is not None:  # the forward raised (an always-called hook)
@@ -119,9 +117,7 @@ class StepRecorder:
         if self.tape is not None:
             record.outputs = [weakref.ref(t) for t in outputs]
         if self.watched.config.detection.check_outputs:
-            flag = all_finite(outputs)
-            if flag is not None:
-                self.capture.and_outputs(flag)
+            self.capture.note_outputs(outputs)
         if self.watched.config.localisation.keep_output_grads:
             for i, t in enumerate(outputs):
                 if t.requires_grad:

@@ -109,7 +109,7 @@ def device_verdict(staged: StagedHealth, bounds: Bounds,
     loss, g, p = v[0], v[1], v[2]
     if norms is not None:
         g, p = norms
-    block = v[3] < 1  # inputs not all finite
+    block = staged.local_flags[0] < 1  # the model's inputs not all finite (their extremes, or a flag)
     if staged.has_loss:
         block = block | ~torch.isfinite(loss)
     if staged.grad_norms:
@@ -252,8 +252,6 @@ class SyncFree:
         """Decide this step on the device if it can be (see :meth:`why_sync`, :meth:`bounds`);
         True when it was (the verdict is with the optimizer), False when the host must read it.
         ``last``: the figures of the last step the host booked (the update bound is searched from them)."""
-        from .decision import gradients
-
         why = self.why_sync(capture)
         bounds = None
         if why is None:
@@ -264,7 +262,7 @@ class SyncFree:
         if bounds is None:
             self.note_sync(why or "")
             return False
-        grads, grad_index = gradients(self.watched.params)
+        grads, grad_index = self.judge.gradients(self.watched.params)
         self.stage(capture, bounds, grads=grads, grad_index=grad_index, lrs=lrs())
         return True
 
@@ -277,9 +275,10 @@ class SyncFree:
         cfg = watched.config.detection
         staged = stage(
             grads=grads, params=watched.params if cfg.check_params else [],
-            losses=capture.losses + [c.loss for c in capture.calls if c.loss is not None and not capture.losses],
-            inputs_ok=capture.inputs_ok, outputs_ok=capture.outputs_ok, local_grads_ok=capture.local_grads_ok,
-            scale=None, grads_scaled=False, accumulate=torch.float64,
+            losses=capture.losses or [c.loss for c in capture.calls if c.loss is not None],
+            inputs_ok=capture.inputs_flag, outputs_ok=capture.outputs_flag,
+            input_extremes=capture.input_extremes, output_extremes=capture.output_extremes,
+            local_grads_ok=capture.local_grads_ok, scale=None, grads_scaled=False, accumulate=torch.float64,
         )
         ranks = None
         if watched.world_size == 1:

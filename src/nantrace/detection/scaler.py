@@ -199,7 +199,7 @@ def name_collapse_origin(watched: "Watched", incident: Any, capture: "StepCaptur
         return
     from ..localisation.localiser import localise_incident
 
-    rescaled = dataclasses.replace(capture, forwards=[_at_scale_one(u, scale) or u for u in capture.forwards])
+    rescaled = capture.with_forwards([_at_scale_one(u, scale) or u for u in capture.forwards])
     summary, fix, cause = incident.summary, incident.fix, incident.cause
     localise_incident(watched, incident, rescaled)
     tensors = f" Non-finite gradients: {', '.join(str(b['name']) for b in bad[:4])}{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}." if bad else ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -50,11 +51,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _norms(tensors: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """Per-tensor L2 norms accumulated in ``dtype`` (float32 unless asked), grouped by device
-    (foreach kernels need one device)."""
+    """Per-tensor L2 norms accumulated in ``dtype`` (float32 unless asked), in one foreach kernel
+    where the tensors share a device (per tensor otherwise). DTensor shards are reduced as their local shard."""
     if not tensors:
         return []
-    tensors = [local(t) for t in tensors]
+    if any(map(hasattr, tensors, repeat("to_local"))):  # a C-level scan, no Python loop on plain tensors
+        tensors = [local(t) for t in tensors]
     try:
         return list(torch._foreach_norm(list(tensors), 2, dtype=dtype))
     except (RuntimeError, TypeError):
@@ -66,8 +68,11 @@ class StagedHealth:
     """The step's figures reduced on the device, not yet read (see :func:`stage`).
 
     ``vector`` is ``[loss, grad norm, param norm, inputs ok, outputs ok, local grads ok,
-    scale, per-gradient norms..., per-parameter norms...]`` in float32. A caller may add
-    device work that depends on it (the cross-rank agreement) before the one read.
+    scale, per-gradient norms..., per-parameter norms..., input extremes..., output extremes...]``
+    in float32. The flags in the head are the explicit ones (1.0 when only extremes were given):
+    the extremes are judged on the host by :func:`finish`, and on the device only when a caller
+    asks for :attr:`local_flags` (the cross-rank agreement). A caller may add device work that
+    depends on the vector before the one read.
     """
 
     vector: torch.Tensor
@@ -77,6 +82,10 @@ class StagedHealth:
     grads_scaled: bool
     grad_norms: list[torch.Tensor]
     param_norms: list[torch.Tensor]
+    n_input_extremes: int = 0
+    """How many input extremes follow the per-parameter norms in ``vector`` (judged on the host)."""
+    n_output_extremes: int = 0
+    """How many output extremes follow them."""
     exact: bool = False
     """Norms accumulated in float64: a non-finite norm means a non-finite element (no recount)."""
 
@@ -98,8 +107,18 @@ class StagedHealth:
 
     @property
     def local_flags(self) -> torch.Tensor:
-        """``[inputs ok, outputs ok, local grads ok]`` (1.0 = finite)."""
-        return self.vector[3:6]
+        """``[inputs ok, outputs ok, local grads ok]`` (1.0 = finite), the extremes included
+        (formed on the device here, on demand: a single process never asks)."""
+        flags = self.vector[3:6]
+        if not (self.n_input_extremes or self.n_output_extremes):
+            return flags
+        start = 7 + len(self.grad_norms) + len(self.param_norms)
+        finite = torch.isfinite(self.vector[start:])
+        n_in = self.n_input_extremes
+        one = torch.ones((), dtype=torch.bool, device=flags.device)
+        ok = torch.stack([finite[:n_in].all() if n_in else one,
+                          finite[n_in:].all() if self.n_output_extremes else one, one])
+        return flags * ok.to(flags.dtype)
 
     def unscaled_grad_norm64(self) -> torch.Tensor:
         """The total gradient norm in float64 exactly as :func:`finish` computes it on the host
@@ -123,31 +142,49 @@ def stage(
     local_grads_ok: torch.Tensor | None = None,
     scale: torch.Tensor | None,
     grads_scaled: bool,
+    input_extremes: Sequence[torch.Tensor] = (),
+    output_extremes: Sequence[torch.Tensor] = (),
     accumulate: torch.dtype = torch.float32,
 ) -> StagedHealth:
-    """Reduce the step's tensors to one device vector (no host read). ``accumulate=torch.float64``
-    makes the norms exact about finiteness (float16/bfloat16/float32 elements cannot overflow a
-    float64 sum of squares), for a verdict that must be final on the device (``sync_free.py``)."""
+    """Reduce the step's tensors to one device vector (no host read).
+
+    Five kernels whatever the model: one ``_foreach_norm`` over gradients and parameters
+    together, one stack of those norms with the inputs' and outputs' extremes (``aminmax``
+    values kept by the forward hooks: finite exactly when every element is), one more
+    ``_foreach_norm`` for both totals, one stack of the head and one concatenation. No finiteness kernel runs: the extremes are
+    judged on the host after the read. Constants come from a per-device cache; no tensor is
+    made per gradient or parameter beyond its norm.
+
+    ``accumulate=torch.float64`` makes the norms exact about finiteness (float16/bfloat16/float32
+    elements cannot overflow a float64 sum of squares), for a verdict that must be final on the
+    device (``sync_free.py``); the vector is float64 then.
+    """
     device = _pick_device(grads, params, losses)
     nan, one = _constants(device)
     exact = accumulate == torch.float64 and device.type != "mps"
-    gn = _norms(grads, torch.float64 if exact else torch.float32)
-    pn = _norms(params, torch.float64 if exact else torch.float32)
-    gvec = _stack_on(gn, device)
-    pvec = _stack_on(pn, device)
+    dtype = torch.float64 if exact else torch.float32
+    ng = len(grads)
+    norms = _norms([*grads, *params], dtype)
+    gn, pn = norms[:ng], norms[ng:]
+    nvec = _stack_on([*norms, *input_extremes, *output_extremes], device)
+    gvec = nvec[:ng] if gn else None
+    pvec = nvec[ng:len(norms)] if pn else None
+    if nvec is not None and nvec.dtype != dtype:  # extremes in another dtype than StepCapture keeps
+        nvec = nvec.to(dtype)
+    totals = _totals(gvec, pvec, nan)
     head = [
         _mean_loss(losses, device) if losses else nan,
-        torch.linalg.vector_norm(gvec) if gvec is not None else nan,
-        torch.linalg.vector_norm(pvec) if pvec is not None else nan,
-        inputs_ok.to(device, torch.float32) if inputs_ok is not None else one,
-        outputs_ok.to(device, torch.float32) if outputs_ok is not None else one,
-        local_grads_ok.to(device, torch.float32) if local_grads_ok is not None else one,
+        totals[0],
+        totals[1],
+        _flag_on(inputs_ok, device, one),
+        _flag_on(outputs_ok, device, one),
+        _flag_on(local_grads_ok, device, one),
         scale.detach().to(device, torch.float32).reshape(()) if scale is not None else nan,
     ]
-    if exact:
-        head = [h.to(torch.float64) for h in head]
-    vec = torch.cat([torch.stack(head)] + [v for v in (gvec, pvec) if v is not None])
-    return StagedHealth(vec, grads, params, bool(losses), grads_scaled, gn, pn, exact=exact)
+    head_vec = torch.stack([x.to(dtype) for x in head] if exact else head)  # bool flags become 1.0 = finite
+    vec = torch.cat([head_vec, nvec]) if nvec is not None else head_vec
+    return StagedHealth(vec, grads, params, bool(losses), grads_scaled, gn, pn, exact=exact,
+                        n_input_extremes=len(input_extremes), n_output_extremes=len(output_extremes))
 
 
 def read(staged: StagedHealth, extra: torch.Tensor | None = None) -> tuple[list[float], Any]:
@@ -174,8 +211,13 @@ def finish(staged: StagedHealth, host: list[float]) -> StepHealth:
     norm overflowed while every element is finite."""
     grads, params, gn, pn = staged.grads, staged.params, staged.grad_norms, staged.param_norms
     loss, gnorm, pnorm, in_ok, out_ok, local_ok, sc = host[:7]
+    end = 7 + len(gn) + len(pn)
     grad_norms = host[7 : 7 + len(gn)]
-    param_norms = host[7 + len(gn) :]
+    param_norms = host[7 + len(gn) : end]
+    if staged.n_input_extremes or staged.n_output_extremes:  # the model's inputs and outputs, judged here
+        mid = end + staged.n_input_extremes
+        in_ok = in_ok and _all_finite(host[end:mid])
+        out_ok = out_ok and _all_finite(host[mid : mid + staged.n_output_extremes])
     scale_value = sc if not math.isnan(sc) else None
     # A float32 norm can overflow while every element is finite (large gradients, or a
     # GradScaler's factor): only on that rare path, check exactly and recount in float64.
@@ -224,6 +266,11 @@ def measure(
     return finish(staged, read(staged)[0])
 
 
+def _all_finite(values: Sequence[float]) -> bool:
+    """Every host value finite (a handful: two extremes per model input or output)."""
+    return all(map(math.isfinite, values))
+
+
 def _exactly_finite(tensors: Sequence[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(local(t)).all()) for t in tensors)
 
@@ -234,8 +281,13 @@ def _norms64(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _mean_loss(losses: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The mean of the step's losses as a 0-dim float32 tensor (one loss: no reduction kernel)."""
+    if len(losses) == 1:  # the common step: no conversion kernel when the loss is float32 on the device already
+        loss = losses[0].detach()
+        if loss.dtype != torch.float32 or loss.device != device:
+            loss = loss.to(device, torch.float32)
+        return loss if loss.dim() == 0 else loss.reshape(())
     flat = [l.detach().to(device, torch.float32).reshape(()) for l in losses]
-    return flat[0] if len(flat) == 1 else torch.stack(flat).mean()
+    return torch.stack(flat).mean()
 
 
 _CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -247,6 +299,30 @@ def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     if pair is None:
         pair = _CONSTANTS[device] = (torch.full((), float("nan"), device=device), torch.ones((), device=device))
     return pair
+
+
+def _totals(gvec: torch.Tensor | None, pvec: torch.Tensor | None, nan: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L2 norms of the per-gradient and per-parameter norm vectors (the global norms), with the
+    same foreach kernel the per-tensor norms just used (one call, no second kind of kernel)."""
+    present = [v for v in (gvec, pvec) if v is not None]
+    if not present:
+        return nan, nan
+    try:
+        out = list(torch._foreach_norm(present, 2))
+    except (RuntimeError, TypeError):
+        out = [torch.linalg.vector_norm(v) for v in present]
+    g = out.pop(0) if gvec is not None else nan
+    p = out.pop(0) if pvec is not None else nan
+    return g, p
+
+
+def _flag_on(flag: torch.Tensor | None, device: torch.device, one: torch.Tensor) -> torch.Tensor:
+    """A 0-dim finiteness flag on ``device`` for the head's stack (``one`` when not checked)."""
+    if flag is None:
+        return one
+    if flag.device != device or flag.dim():
+        flag = flag.to(device).reshape(())
+    return flag if flag.dtype in (torch.bool, torch.float32) else flag.to(torch.float32)
 
 
 def _stack_on(values: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:

@@ -56,8 +56,8 @@ class SafeMonitor(Monitor):
             self._attach(watched)
 
     def before_update(self, step: int, params: list[torch.Tensor]) -> None:
-        if not self.active:
-            return
+        if not self.active or type(self)._before_update is SafeMonitor._before_update:
+            return  # nothing to do before the update: no grad-mode switch, no call, every step
         try:
             with torch.no_grad():
                 self._before_update(step, params)

@@ -46,6 +46,9 @@ class LayerIndex:
         """Layer index of each watched tensor."""
         self.numel: np.ndarray = np.zeros(len(names), dtype=np.int64)
         """Number of elements in each layer (set by :meth:`set_numel`)."""
+        self._empty_all = np.bincount(self.layer_of, minlength=len(names)) == 0
+        """Layers without any tensor (none, unless built oddly): the per-step figures of all
+        tensors reuse it instead of counting again."""
 
     def __len__(self) -> int:
         return len(self.names)
@@ -63,18 +66,24 @@ class LayerIndex:
         norm makes its layer's norm non-finite (never hidden).
         """
         values = np.asarray(norms, dtype=np.float64)
+        if which is not None and len(which) == len(self.layer_of):
+            which = None  # ``which`` lists distinct tensor indices: as many as there are tensors means all of them
         idx = self.layer_of if which is None else self.layer_of[np.asarray(which, dtype=np.int64)]
         if len(values) != len(idx):
             raise ValueError(f"LayerIndex.combine: {len(values)} norms for {len(idx)} tensors")
         with np.errstate(over="ignore", invalid="ignore"):
             sq = np.bincount(idx, weights=values * values, minlength=len(self))
             out = np.sqrt(sq)
-        out[np.bincount(idx, minlength=len(self)) == 0] = np.nan
+        empty = self._empty_all if which is None else np.bincount(idx, minlength=len(self)) == 0
+        if empty.any():
+            out[empty] = np.nan
         return out
 
     def present(self, which: Sequence[int] | None = None) -> np.ndarray:
         """Boolean mask of the layers that have at least one of the tensors ``which``."""
-        idx = self.layer_of if which is None else self.layer_of[np.asarray(which, dtype=np.int64)]
+        if which is None or len(which) == len(self.layer_of):
+            return ~self._empty_all
+        idx = self.layer_of[np.asarray(which, dtype=np.int64)]
         return np.bincount(idx, minlength=len(self)) > 0
 
     def sum(self, values: Sequence[float], which: Sequence[int] | None = None) -> np.ndarray:

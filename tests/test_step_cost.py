@@ -1,0 +1,210 @@
+"""The structure of the guard's fixed per-step cost (issue 13, item 4), pinned without timings:
+what a healthy step does, counted where it happens.
+
+- the step's check reduces gradients and parameters with ONE ``_foreach_norm`` over both;
+- a healthy step builds no per-parameter index: the gradient index is one list made once;
+- the forward hooks run one ``aminmax`` per floating input/output and no flag arithmetic
+  (the flags are formed once, at the check), and those flags are still exact;
+- the per-step context handed to monitors reuses one list of names;
+- a monitor without work before the update is not entered before the update.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import nantrace
+from nantrace.capture import StepCapture
+from nantrace.dynamics.base import Monitor, StepContext
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+class _Recorder(Monitor):
+    """Keeps what every finished step handed to the monitors."""
+
+    def __init__(self) -> None:
+        self.contexts: list[StepContext] = []
+
+    def on_step(self, ctx: StepContext) -> list[Any]:
+        self.contexts.append(ctx)
+        return []
+
+
+@pytest.fixture
+def minimal() -> nantrace.Config:
+    """No sampled statistics (every step is a plain healthy step); inputs and outputs checked."""
+    return nantrace.Config.preset("minimal", detection={"check_inputs": True, "check_outputs": True},
+                                  outputs={"print_incidents": False})
+
+
+def test_one_foreach_norm_covers_gradients_and_parameters(monkeypatch, minimal, one_thread):
+    model, opt = _model()
+    n = len(list(model.parameters()))
+    calls: list[int] = []
+    real = torch._foreach_norm
+
+    def counting(tensors, *args, **kwargs):
+        calls.append(len(tensors))
+        return real(tensors, *args, **kwargs)
+
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    with nantrace.watch(model, opt, config=minimal):
+        _step(model, opt, x, y)  # warm-up: the buffer plan learns, the optimizer makes its state
+        monkeypatch.setattr(torch, "_foreach_norm", counting)
+        for _ in range(3):
+            _step(model, opt, x, y)
+    assert calls == [2 * n, 2] * 3  # per step: every gradient and parameter in one call, then both totals in one
+
+
+def test_a_healthy_step_reuses_one_gradient_index(monkeypatch, minimal, one_thread):
+    from nantrace import detection
+
+    model, opt = _model()
+    n = len(list(model.parameters()))
+    unwrapped: list[int] = []
+    real_local = detection.sentinel.local
+    monkeypatch.setattr(detection.sentinel, "local", lambda t: unwrapped.append(1) or real_local(t))
+    recorder = _Recorder()
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    with nantrace.watch(model, opt, config=minimal) as guard:
+        guard.add_monitor(recorder)
+        for _ in range(4):
+            _step(model, opt, x, y)
+        full_index = guard.judge._full_index
+    indices = [ctx.grad_index for ctx in recorder.contexts]
+    assert len(indices) == 4 and all(i is full_index for i in indices)  # the same list object: nothing built per step
+    assert full_index == list(range(n))
+    assert unwrapped == []  # plain tensors: no per-tensor DTensor unwrapping in the check
+    names = [ctx.param_names for ctx in recorder.contexts]
+    assert all(nm is names[0] for nm in names) and names[0] == [name for name, _ in model.named_parameters()]
+
+
+def test_missing_gradients_still_take_the_exact_index(minimal, one_thread):
+    model, opt = _model()
+    recorder = _Recorder()
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    with nantrace.watch(model, opt, config=minimal) as guard:
+        guard.add_monitor(recorder)
+        model[0].weight.requires_grad_(False)  # no gradient for parameter 0 from now on
+        _step(model, opt, x, y)
+    (ctx,) = recorder.contexts
+    assert ctx.grad_index == list(range(1, len(list(model.parameters()))))
+    assert len(ctx.health.grad_norms) == len(ctx.grad_index)
+
+
+def test_a_healthy_step_runs_no_finiteness_kernel(monkeypatch, minimal, one_thread):
+    model, opt = _model()
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    counts = {"aminmax": 0, "isfinite": 0}
+    with nantrace.watch(model, opt, config=minimal) as guard:
+        _step(model, opt, x, y)
+        for name in counts:
+            real = getattr(torch, name)
+            monkeypatch.setattr(torch, name, lambda *a, _real=real, _name=name, **k: counts.__setitem__(
+                _name, counts[_name] + 1) or _real(*a, **k))
+        model(x)  # one forward: one input, one output
+        capture = guard.recorder.capture
+        assert counts == {"aminmax": 2, "isfinite": 0}  # the hooks keep extremes, no flag arithmetic
+        assert len(capture.input_extremes) == 2 and len(capture.output_extremes) == 2
+        guard.recorder.reset()
+        _step(model, opt, x, y)  # a whole step: the extremes are judged on the host after the one read
+        assert counts == {"aminmax": 4, "isfinite": 0}
+        assert guard.last_step is not None and not guard.incidents
+
+
+def _health(x: torch.Tensor, out: torch.Tensor):
+    from nantrace.detection.sentinel import finish, read, stage
+
+    cap = StepCapture()
+    cap.note_inputs([x, torch.empty(0)])  # an empty tensor has no extremes and is skipped
+    cap.note_outputs([out])
+    staged = stage(grads=[torch.ones(3)], params=[torch.ones(3)], losses=[torch.tensor(0.5)], inputs_ok=None,
+                   outputs_ok=None, scale=None, grads_scaled=False, input_extremes=cap.input_extremes,
+                   output_extremes=cap.output_extremes)
+    return cap, staged, finish(staged, read(staged)[0])
+
+
+@pytest.mark.parametrize("bad_in, bad_out", [(True, False), (False, True), (True, True), (False, False)])
+def test_extremes_judged_on_the_host_are_exact(bad_in, bad_out):
+    x = torch.randn(3, 4, dtype=torch.float64)
+    x[0, 0] = 1e300  # finite in float64, beyond float32: must not read as overflow
+    if bad_in:
+        x[1, 2] = -math.inf
+    out = torch.randn(5).half()
+    if bad_out:
+        out[3] = math.nan
+    cap, staged, health = _health(x, out)
+    assert health.inputs_finite is (not bad_in) and health.outputs_finite is (not bad_out)
+    assert health.grad_norms == [pytest.approx(math.sqrt(3))] and health.param_norms == [pytest.approx(math.sqrt(3))]
+    assert staged.vector.dtype == torch.float32
+    assert staged.local_flags.tolist() == [float(not bad_in), float(not bad_out), 1.0]  # the device view agrees
+    assert bool(cap.inputs_ok) is (not bad_in) and bool(cap.outputs_ok) is (not bad_out)
+
+
+def test_flags_with_several_forwards_and_an_explicit_flag():
+    cap = StepCapture()
+    cap.note_inputs([torch.ones(2)])
+    cap.note_inputs([torch.tensor([1.0, math.inf])])  # a second forward (gradient accumulation)
+    cap.note_outputs([torch.ones(2)])
+    assert bool(cap.inputs_ok) is False and bool(cap.outputs_ok) is True
+    cap.outputs_ok = torch.tensor(False)  # a replay sets the flag it read from a bundle
+    assert cap.output_extremes == [] and bool(cap.outputs_ok) is False
+    empty = StepCapture()
+    assert empty.inputs_ok is None and empty.outputs_ok is None
+
+
+def test_a_nonfinite_input_is_still_caught_at_the_step(minimal, one_thread):
+    model, opt = _model()
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    with nantrace.watch(model, opt, config=minimal) as guard:
+        _step(model, opt, x, y)
+        before = [p.detach().clone() for p in model.parameters()]
+        bad = x.clone()
+        bad[2, 3] = math.nan
+        _step(model, opt, bad, y)
+        assert guard.incidents and guard.incidents[-1].details.get("nonfinite_inputs")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the update was blocked
+
+
+def test_a_monitor_without_pre_update_work_is_not_entered(monkeypatch, minimal, one_thread):
+    from nantrace.dynamics._common import SafeMonitor
+
+    class Quiet(SafeMonitor):
+        name = "quiet"
+
+    class Busy(SafeMonitor):
+        name = "busy"
+        entered = 0
+
+        def _before_update(self, step: int, params: list[torch.Tensor]) -> None:
+            type(self).entered += 1
+
+    model, opt = _model()
+    with nantrace.watch(model, opt, config=minimal) as guard:
+        quiet, busy = Quiet(), Busy()
+        guard.add_monitor(quiet)
+        guard.add_monitor(busy)
+        grad_modes: list[str] = []
+        real = torch.no_grad.__enter__
+        monkeypatch.setattr(torch.no_grad, "__enter__", lambda self: grad_modes.append("no_grad") or real(self))
+        params = list(model.parameters())
+        quiet.before_update(0, params)
+        assert grad_modes == []  # nothing to do: no grad-mode switch, no call
+        busy.before_update(0, params)
+        assert grad_modes == ["no_grad"] and Busy.entered == 1
