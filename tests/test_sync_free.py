@@ -332,3 +332,32 @@ def test_an_update_beyond_its_proven_bound_is_withheld_and_reported():
     assert all(torch.equal(sync_state[k], free_state[k]) for k in sync_state)
     assert sync_incidents == [(10, "optimizer_state", "optimizer_state", "optimizer", "skipped", None)]
     assert free_incidents == [(10, "grad_explosion", "gradient_explosion", "backward", "skipped", "withheld on the device")]
+
+
+def test_asking_for_the_figures_reads_the_pending_step_and_a_stop_comes_before_the_next_update():
+    """``guard.last_step`` right after ``optimizer.step()`` is the step's own figures (a natural
+    read); under ``raise`` the incident is recorded then, and the next ``optimizer.step()`` raises
+    before its update lands."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    guard = nantrace.watch(model, opt, on_anomaly="raise", config=nantrace.Config(outputs={"print_incidents": False}))
+    gen = torch.Generator().manual_seed(1)
+    logged = []
+    with pytest.raises(nantrace.NonFiniteError):
+        for step in range(10):
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+            if step == 6:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            if step == 7:
+                before = {k: v.clone() for k, v in model.state_dict().items()}
+            opt.step()
+            row = guard.last_step
+            logged.append((row["step"], row["skipped"]))
+            if step == 6:
+                assert [(i.step, i.action) for i in guard.incidents] == [(6, "raised")]
+    assert logged == [(s, s == 6) for s in range(7)]  # each step's own row, read right after its update
+    assert step == 7 and all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # 7 never landed
+    guard.close()

@@ -150,6 +150,8 @@ class Guard:
             if optimizer is not None and not self.sharded else None
         """Checks the optimizer's own updates (phase ``optimizer``) and undoes a non-finite one."""
         self._device_step = False
+        self._stop_next_step: NonFiniteError | None = None
+        """Sync-free mode: a stopping action found by a read between steps, raised before the next update."""
         self.sync_free: SyncFree | None = None
         """Steps decided on the device (``Config.detection.sync_free``), or ``None``: every step reads the host."""
         try:
@@ -244,6 +246,10 @@ class Guard:
         if self.in_scaler_step:
             self._prepare_update(self._decision)
             return None
+        if self._stop_next_step is not None:  # a stopping action found when the host read the last step
+            err, self._stop_next_step = self._stop_next_step, None
+            self.recorder.reset()
+            raise err
         if self.sync_free is not None:
             self.settle_device_step()  # the previous step, decided on the device: reported before this update
         positional = len(args) > 1  # args[0] is the optimizer itself
@@ -340,7 +346,8 @@ class Guard:
         """Decide on the host the step the device decided (sync-free mode): read its figures (copied
         long ago), then triage, report, localise and book it exactly as the synchronous mode would
         have at its own step. Runs before the next update; a stopping action raises from there
-        (``stop=False``: recorded, not raised, as at ``close()``). Returns the step's incident."""
+        (``stop=False``: recorded now, raised by the next ``optimizer.step()`` before its update, as
+        when ``guard.last_step`` asks for the figures). Returns the step's incident."""
         sf = self.sync_free
         pending = sf.take() if sf is not None else None
         if pending is None:
@@ -360,10 +367,11 @@ class Guard:
             if decision.incident is not None:
                 try:
                     self._report(decision.incident, decision)
-                except NonFiniteError:
+                except NonFiniteError as err:
                     raised = True
                     if stop:
                         raise
+                    self._stop_next_step = err
             if not raised:
                 if not decision.block and self.update_check is not None:
                     self.update_check.account(grad=decision.health.grad_norm, param=decision.health.param_norm)
@@ -556,7 +564,11 @@ class Guard:
     @property
     def last_step(self) -> dict[str, Any] | None:
         """Health figures of the last finished step (step, loss, grad_norm, param_norm, scale,
-        skipped, action), e.g. for logging to a trainer's logger; ``None`` before the first step."""
+        skipped, action), e.g. for logging to a trainer's logger; ``None`` before the first step.
+        In sync-free mode asking reads the step the device decided last (a logged value is a
+        natural read): its incident is reported now, a stopping action raises at the next step."""
+        if self.sync_free is not None and not self.closed:
+            self.settle_device_step(stop=False)
         history = self.reporter.history
         return dict(history[-1]) if history else self._last_row
 
@@ -569,6 +581,7 @@ class Guard:
             self.diagnose_exception(self._pending_exception)
         if self.sync_free is not None:
             self.settle_device_step(stop=False)  # the last step: recorded, never raised from close()
+            self._stop_next_step = None
         if self.reporter.data_pending:
             self.reporter.flush_data_issues()
         self.state.closed = True

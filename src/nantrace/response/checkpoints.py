@@ -93,10 +93,11 @@ class CheckpointGate:
         """True when a checkpoint saved now would hold finite weights from a settled run.
 
         In sync-free mode the host first reads the step the device decided last (saving a
-        checkpoint reads every weight anyway): its incident counts, and a stopping action raises here."""
+        checkpoint reads every weight anyway): its incident counts (a stopping action raises at the
+        next ``optimizer.step()``, before its update)."""
         guard = self.guard
         if guard.sync_free is not None:
-            guard.settle_device_step()
+            guard.settle_device_step(stop=False)
         if self._cache is not None and self._cache[0] == guard.step:
             self.reason = self._cache[2]
             return self._cache[1]
