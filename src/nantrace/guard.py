@@ -187,6 +187,9 @@ class Guard:
     # ------------------------------------------------------------------ set-up
     def _install(self) -> None:
         rec = self.recorder
+        if rec.prelude is not None:
+            for owner in dict.fromkeys(o for o in (self.optimizer, self.model, self.root) if o is not None):
+                self._handles.append(rec.quiet(owner))
         self._handles.append(self.model.register_forward_pre_hook(rec.forward_pre, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(rec.forward_post, with_kwargs=True, always_call=True))
         if self.optimizer is not None:

@@ -104,6 +104,7 @@ class LossTape(TorchFunctionMode):
         self.outputs: list[list[Any]] = []
         """Prelude only: weak references to each call's tensor outputs."""
         self._restarts = 0
+        self._mark_due = False
         self._generators: dict[int, torch.Generator] = {}
         """Copies of the explicit generators of the call in progress, as they were before it."""
         self.entries: list[Entry] = []
@@ -124,14 +125,27 @@ class LossTape(TorchFunctionMode):
 
     # ------------------------------------------------------------------ the mode stack
     def resume(self) -> None:
-        """Start (or go on) recording: the watched model's forward has just returned."""
+        """Start (or go on) recording: the watched model's forward has just returned (the prelude:
+        the step has ended)."""
         if not self._on_stack():
             torch._C._push_on_torch_function_stack(self)
+        if self.prelude:
+            self._mark_due = True  # taken at the first call kept: most steps keep none before their forward
+        else:
+            self._mark()
+        self._recording = True
+
+    def _mark(self) -> None:
+        """The autocast state (at the first call) and the RNG state where the next call will be kept."""
+        self._mark_due = False
         if not self.entries:
             self.autocast = AutocastState.current()
         if not self.rng_marks or self.rng_marks[-1][0] != len(self.entries):
             self.rng_marks.append((len(self.entries), RngState.current()))
-        self._recording = True
+
+    @property
+    def recording(self) -> bool:
+        return self._recording
 
     def pause(self) -> None:
         """Stop recording and leave the mode stack if nothing was pushed above the tape."""
@@ -195,6 +209,8 @@ class LossTape(TorchFunctionMode):
                 self.entries, self.outputs, self._made = [], [], WeakTensorKeyDictionary()
                 return func(*args, **kwargs)
             self._start_over()
+        if self._mark_due and name not in _READS:
+            self._mark()
         generator = kwargs.get("generator")
         if isinstance(generator, torch.Generator):  # a replay must draw what this call draws, and leave the user's alone
             self._generators[id(generator)] = _snapshot(generator)

@@ -89,6 +89,12 @@ class StepRecorder:
         if self.tape is not None:
             self.tape.pause()
 
+    def quiet(self, owner: Any) -> Any:
+        """Keep ``owner.zero_grad()`` (an optimizer's or a module's) off the prelude: it only reads
+        and writes ``.grad`` once per parameter, nothing a replay needs, and every such access would
+        pass through the tape's mode. Returns a handle whose ``remove()`` undoes it."""
+        return _QuietMethod(owner, "zero_grad", self)
+
     def start_prelude(self) -> None:
         """The previous step has ended: tape what the next one does before the model's forward."""
         if self.prelude is not None and not self.watched.closed:
@@ -172,3 +178,37 @@ class StepRecorder:
 
 def _keep_grad(record: ForwardRecord, index: int, grad: torch.Tensor) -> None:
     record.output_grads.append((index, grad.detach()))
+
+
+class _QuietMethod:
+    """An instance-level wrapper of ``owner.<name>`` that pauses the prelude around the call."""
+
+    def __init__(self, owner: Any, name: str, recorder: StepRecorder) -> None:
+        self.owner, self.name = owner, name
+        self.had_own = name in getattr(owner, "__dict__", {})
+        original = getattr(owner, name)
+        recorder_ref = weakref.ref(recorder)
+
+        @functools.wraps(original)
+        def quiet(*args: Any, **kwargs: Any) -> Any:
+            rec = recorder_ref()
+            prelude = rec.prelude if rec is not None else None
+            if prelude is None or not prelude.recording:
+                return original(*args, **kwargs)
+            prelude.pause()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                prelude.resume()
+
+        self.wrapper = quiet
+        self.original = original
+        owner.__dict__[name] = quiet  # an instance attribute (nn.Module's __setattr__ would keep it the same way)
+
+    def remove(self) -> None:
+        """Put the method back (if nothing replaced the wrapper since)."""
+        if self.owner.__dict__.get(self.name) is self.wrapper:
+            if self.had_own:
+                self.owner.__dict__[self.name] = self.original
+            else:
+                del self.owner.__dict__[self.name]
