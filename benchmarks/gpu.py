@@ -4,7 +4,7 @@ Grid: precision (``bf16``: autocast to bfloat16; ``fp16``: autocast to float16 w
 ``torch.amp.GradScaler``) × mode (``eager``, ``compile``: ``torch.compile`` of the model) ×
 tool (``plain``; ``nantrace``: ``nantrace.watch(model, optimizer, scaler=...)``, the
 synchronous check, one host read per step; ``nantrace_syncfree``: the same with
-``sync_free="auto"``, each step decided on the device, no host read (docs/sync_free.md; with
+``sync_free=True``, each step decided on the device, no host read (docs/sync_free.md; with
 fp16 the GradScaler owns ``found_inf``, so it falls back to the synchronous check and the
 table says so); ``detect_anomaly``: ``torch.autograd.detect_anomaly(check_nan=True)``). Every
 cell trains its own copy of the same initial weights on the same batches (fused AdamW); tools of
@@ -73,8 +73,10 @@ class Cell:
         if tool.startswith("nantrace"):
             import nantrace
 
-            config = nantrace.Config(outputs={"print_incidents": False},
-                                     detection={"sync_free": "auto" if tool == "nantrace_syncfree" else False})
+            sync_free = False
+            if tool == "nantrace_syncfree":  # required where it can be exact; with a GradScaler it cannot
+                sync_free = True if self.scaler is None else "auto"
+            config = nantrace.Config(outputs={"print_incidents": False}, detection={"sync_free": sync_free})
             self.guard = nantrace.watch(self.run, self.opt, scaler=self.scaler, config=config)
         self.times: list[float] = []
         self.peak = 0

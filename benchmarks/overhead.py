@@ -8,9 +8,10 @@ batches in the same order, AdamW), on the CPU:
 - ``nantrace_store``  the same with ``run_dir=`` a temporary directory: the run store's rows
                       (one step row and the per-layer rows, one SQLite transaction) every step
 - ``nantrace_notape`` the defaults without the loss tape (``localisation.record_loss_code=False``)
-- ``nantrace_sync``   the defaults with ``detection.sync_free=False``: with ``--fused`` (every
-                      variant's AdamW fused, where nantrace's default decides each step on the
-                      device, docs/sync_free.md), the synchronous check to compare it with
+- ``nantrace_sync``   the defaults with ``detection.sync_free=False``; with ``--fused`` (every
+                      variant's AdamW fused) the ``nantrace`` variant runs ``sync_free=True``
+                      (each step decided on the device, docs/sync_free.md; "auto" keeps the
+                      synchronous check on the CPU), and this one is what it is compared with
 - ``detect_anomaly``  the same loop inside ``torch.autograd.detect_anomaly(check_nan=True)``
 - ``hf_debug``        ``transformers.debug_utils.DebugUnderflowOverflow(model)`` attached
 
@@ -209,8 +210,10 @@ class Runner:
             config = None
             if self.variant == "nantrace_notape":  # the loss tape's share of the overhead
                 config = nantrace.Config(localisation={"record_loss_code": False})
-            if self.variant == "nantrace_sync":  # the synchronous check, where sync-free would be the default
+            if self.variant == "nantrace_sync":  # the synchronous check, to compare the sync-free mode with
                 config = nantrace.Config(detection={"sync_free": False})
+            elif self.variant == "nantrace" and os.environ.get(FUSED_ENV) == "1":
+                config = nantrace.Config(detection={"sync_free": True})
             t0 = time.perf_counter()
             self._tool = nantrace.watch(self.model, self.optimizer, run_dir=run_dir, config=config)
             if torch.autograd.backward is _ORIGINAL_AUTOGRAD_BACKWARD:

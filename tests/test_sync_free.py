@@ -172,8 +172,11 @@ def test_zero_host_reads_per_step_in_the_steady_state():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
-    assert guard.sync_free is not None  # "auto": a fused optimizer, no scaler, no rollback
+    auto = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
+    assert auto.sync_free is None  # "auto" on the CPU: a read drains no queue, the synchronous check is cheaper
+    auto.close()
+    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False},
+                                                              detection={"sync_free": True}))
     gen = torch.Generator().manual_seed(1)
     ours = []
     with HostReadCounter() as reads:
@@ -220,7 +223,8 @@ def test_an_incident_found_at_the_last_step_is_recorded_at_close():
     torch.manual_seed(0)
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
-    guard = nantrace.watch(model, opt, on_anomaly="raise", config=nantrace.Config(outputs={"print_incidents": False}))
+    guard = nantrace.watch(model, opt, on_anomaly="raise", config=nantrace.Config(
+        outputs={"print_incidents": False}, detection={"sync_free": True}))
     for step in range(5):
         x = torch.randn(4, 8)
         if step == 4:
@@ -341,7 +345,8 @@ def test_asking_for_the_figures_reads_the_pending_step_and_a_stop_comes_before_t
     torch.manual_seed(0)
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    guard = nantrace.watch(model, opt, on_anomaly="raise", config=nantrace.Config(outputs={"print_incidents": False}))
+    guard = nantrace.watch(model, opt, on_anomaly="raise", config=nantrace.Config(
+        outputs={"print_incidents": False}, detection={"sync_free": True}))
     gen = torch.Generator().manual_seed(1)
     logged = []
     with pytest.raises(nantrace.NonFiniteError):

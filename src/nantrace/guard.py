@@ -215,6 +215,8 @@ class Guard:
                 raise ValueError(f"Config.detection.sync_free=True, but {why}. Use sync_free='auto' (decided "
                                  "per set-up) or False (the synchronous check).")
             return None
+        if choice == "auto" and all(p.device.type == "cpu" for p in self.watched.params):
+            return None  # on the CPU a read drains no queue: the device-side verdict would cost more than it saves
         return SyncFree(self.watched, self.judge, self.update_check)
 
     def _write_meta(self) -> None:

@@ -79,8 +79,10 @@ class DetectionConfig(SettingsGroup):
     fused optimizer as ``found_inf`` (the way ``GradScaler`` skips a step) and the host reads the
     step's figures at the next step, then reports and localises it. The weights are those of the
     synchronous mode, bit for bit. ``"auto"`` (default): on wherever it is exact (a fused
-    optimizer, no GradScaler, no rollback); ``True``: required (an error says why a
-    set-up cannot have it); ``False``: always the synchronous read."""
+    optimizer, no GradScaler, no rollback) and a read would wait for an accelerator (parameters
+    not on the CPU, where a read drains no queue and the device-side verdict costs more than it
+    saves); ``True``: required (an error says why a set-up cannot have it); ``False``: always the
+    synchronous read."""
 
     scaler_max_skips: int = 20
     """Consecutive GradScaler-skipped steps, *after* the scaler has found its level (trained at some
