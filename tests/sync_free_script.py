@@ -19,7 +19,7 @@ from nantrace.testing.host_reads import HostReadCounter
 
 
 def wrap(model: nn.Module, scenario: str) -> nn.Module:
-    if scenario == "fsdp":
+    if scenario.startswith("fsdp"):
         from torch.distributed.fsdp import fully_shard
 
         for layer in model:
@@ -43,18 +43,25 @@ def train(scenario: str, sync_free: bool, rank: int, run_dir: str) -> dict:
     guard = nantrace.watch(model, opt, run_dir=run_dir, config=cfg)
     gen = torch.Generator().manual_seed(100 + rank)
     reads = []
+    raised = None
     with HostReadCounter() as counter:
         for step in range(12):
             if scenario.endswith("_rank1"):
                 x, y = ddp_script.batch(scenario, rank, step, gen, w)  # broken at step 3 on rank 1
             else:
                 x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
-                if step == 5 and rank == 1:
+                if step == 5 and rank == 1 and not scenario.endswith("divergence"):
                     x[2, 3] = float("nan")
+                if scenario.endswith("divergence") and rank == 1 and step >= 4:  # only rank 1's loss grows
+                    y = y * 8.0 ** (step - 3)
             counter.reset()
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()
-            opt.step()
+            try:
+                opt.step()
+            except nantrace.NonFiniteError:  # every rank stops at the same step (the escalation ladder)
+                raised = step
+                break
             reads.append(len([e for e in counter.events if e.where.startswith("nantrace" + os.sep)]))
     guard.close()
     flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten() for p in model.parameters()])
@@ -62,6 +69,8 @@ def train(scenario: str, sync_free: bool, rank: int, run_dir: str) -> dict:
     dist.all_gather(gathered, flat)
     return {
         "incidents": [[i.step, i.kind, i.rank, str(i.action), i.cause, i.op, i.module, i.source] for i in guard.incidents],
+        "peer": [i.details.get("peer_rank") for i in guard.incidents],
+        "raised": raised,
         "reads": reads,
         "replicas_equal": bool(torch.equal(gathered[0], gathered[1])),
         "weights": flat.tolist(),

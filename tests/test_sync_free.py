@@ -366,3 +366,23 @@ def test_asking_for_the_figures_reads_the_pending_step_and_a_stop_comes_before_t
     assert logged == [(s, s == 6) for s in range(7)]  # each step's own row, read right after its update
     assert step == 7 and all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # 7 never landed
     guard.close()
+
+
+def test_a_divergence_of_one_ranks_loss_stops_every_rank_together(tmp_path):
+    """Only rank 1's targets grow (×8 a step): its divergence detector flags its loss, which the
+    other rank cannot see. Each rank publishes its divergence verdict (judged on the device from
+    the detector's firing ranges) in the agreement word, so both ranks skip the same steps and the
+    escalation ladder pauses both at the same step; replicas stay identical. The sync-free run
+    reaches the same weights and incidents and stops one step later, before that update."""
+    from pathlib import Path
+
+    from test_distributed import _torchrun
+
+    results = _torchrun(tmp_path, "ddp_divergence", script=Path(__file__).with_name("sync_free_script.py"))
+    for rank, res in enumerate(results):
+        sync, free = res["sync"], res["free"]
+        assert sync["replicas_equal"] and free["replicas_equal"] and free["weights"] == sync["weights"]
+        assert free["incidents"] == sync["incidents"] and (sync["raised"], free["raised"]) == (10, 11)
+        assert [i[:4] for i in sync["incidents"]] == [[5, "loss_spike", 1, "skipped"], [10, "loss_spike", 1, "paused"]]
+        assert [i[4] for i in sync["incidents"]] == (["loss_divergence"] * 2 if rank == 1 else ["unknown"] * 2)
+        assert sync["peer"] == ([None, None] if rank == 1 else [1, 1])

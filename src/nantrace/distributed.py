@@ -135,6 +135,8 @@ def agree(*, rank: int, world_size: int, local_origin: bool, local_kind: str | N
 # Facts a rank publishes about its own step, one bit each, in a float64 word (exact below 2**53).
 INPUTS_BAD, LOSS_BAD, OUTPUTS_BAD, LOCAL_GRADS_BAD, GRADS_BAD, PARAMS_BAD, LOSS_SPIKE, GRAD_SPIKE = (1 << i for i in range(8))
 _ORIGIN_BITS = INPUTS_BAD | LOSS_BAD | OUTPUTS_BAD | LOCAL_GRADS_BAD | PARAMS_BAD
+DIVERGES = 1 << 9
+"""This rank's divergence detector flags the step (judged on the device from its firing ranges)."""
 DEVICE_BLOCK = 1 << 8
 """Sync-free mode: this rank's device verdict blocks the update (``sync_free.device_verdict``)."""
 
@@ -168,6 +170,8 @@ class StepRound:
         cfg = watched.config
         self.loss_threshold = judge.loss_spikes.threshold() if cfg.detection.detect_loss_spikes else math.inf
         self.grad_threshold = judge.grad_spikes.threshold() if cfg.detection.detect_grad_explosion else math.inf
+        self.divergence = judge.divergence.firing_ranges() if cfg.detection.detect_divergence else None
+        """Where this rank's divergence detector fires (its loss is its own: every rank must know)."""
         self.k = 2 if self.sharded else 1
         self.fallback = False
         self.words = np.zeros(0, dtype=np.int64)
@@ -188,6 +192,11 @@ class StepRound:
             finite = torch.isfinite(loss)
             word = word + (~finite).to(f64) * LOSS_BAD
             word = word + (finite & (loss > self.loss_threshold)).to(f64) * LOSS_SPIKE
+        if self.divergence is not None:
+            g = staged.unscaled_grad_norm64() if self.has_grads and not self.sharded else None
+            diverges = self.divergence.fires_on_device(loss if self.has_loss else None, g)
+            if isinstance(diverges, torch.Tensor):
+                word = word + diverges.to(f64) * DIVERGES
         if self._device_block is not None:
             word = word + self._device_block.to(f64) * DEVICE_BLOCK
         slot = [word]
@@ -229,6 +238,18 @@ class StepRound:
             scale[2:2 + self.n_params] = divisor
             squares = squares / scale
         return squares
+
+    def device_blockers(self) -> dict[int, str]:
+        """After :meth:`settle` (sync-free mode): the ranks whose own device verdict blocked the
+        update, each with the kind its published facts suggest (a finite anomaly of its own loss
+        when nothing non-finite was published: a spike or a divergence)."""
+        out = {}
+        for r in np.flatnonzero(self.words & DEVICE_BLOCK).tolist():
+            word = int(self.words[r])
+            out[r] = ("nonfinite_input" if word & INPUTS_BAD else "nonfinite_loss" if word & LOSS_BAD else
+                      "nonfinite_grad" if word & (GRADS_BAD | LOCAL_GRADS_BAD) else "nonfinite_param" if word & PARAMS_BAD
+                      else "grad_explosion" if word & GRAD_SPIKE else "loss_spike")
+        return out
 
     def global_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
         """On the device, after the all-reduce (FSDP2): the model's gradient and parameter norms."""
@@ -281,9 +302,9 @@ class StepRound:
         for r in np.flatnonzero(flagged).tolist():  # vectorised: only ranks with a fact are judged
             word = int(self.words[r])
             grad_spike = bool(sharded_spikes[r]) if sharded_spikes is not None else bool(word & GRAD_SPIKE)
-            finding = triage(
+            finding = triage(  # a divergence of a rank's own loss reads as its loss spike: both stop the update
                 _facts_health(word), step=watched.step, scaler_active=scaler_active,
-                loss_spikes=_Verdict(bool(word & LOSS_SPIKE)), grad_spikes=_Verdict(grad_spike),
+                loss_spikes=_Verdict(bool(word & (LOSS_SPIKE | DIVERGES))), grad_spikes=_Verdict(grad_spike),
                 last_applied=judge.last_applied,
             )
             if word & _ORIGIN_BITS or (finding is not None and finding.kind == "loss_spike"):

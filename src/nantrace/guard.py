@@ -368,7 +368,8 @@ class Guard:
                     self.watched, pending.capture, pending.staged, local, shared, pending.ranks, [], pending.grad_index,
                     via_scaler=False, loaded_state=lambda finite: self.checkpoints.loaded_state_finding(self.step, finite),
                     lrs=pending.lrs, history=self.reporter.history)
-            reconcile(decision, device_block, pending.bounds, self.reporter)
+            reconcile(decision, device_block, pending.bounds, self.reporter,
+                      peers=pending.ranks.device_blockers() if pending.ranks is not None and not self.sharded else None)
             if decision.incident is not None:
                 try:
                     self._report(decision.incident, decision)

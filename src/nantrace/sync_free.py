@@ -122,44 +122,14 @@ def device_verdict(staged: StagedHealth, bounds: Bounds,
         if staged.grad_norms and math.isfinite(bounds.grad_threshold):
             block = block | (g > bounds.grad_threshold)
         if bounds.divergence is not None:
-            block = block | _diverges(loss if staged.has_loss else None, g if staged.grad_norms else None, bounds.divergence)
+            block = block | bounds.divergence.fires_on_device(loss if staged.has_loss else None,
+                                                             g if staged.grad_norms else None)
     if math.isfinite(bounds.update_limit):
         if staged.grad_norms:
             block = block | (g > bounds.update_limit)
         if staged.param_norms:
             block = block | (p > bounds.update_limit)
     return block
-
-
-def _inside(v: torch.Tensor, ranges: list[tuple[float, float]]) -> torch.Tensor | None:
-    out = None
-    for lo, hi in ranges:
-        hit = (v >= lo) & (v <= hi) if math.isfinite(hi) else v >= lo
-        out = hit if out is None else out | hit
-    return out
-
-
-def _diverges(loss: torch.Tensor | None, g: torch.Tensor | None, r: DivergenceRanges) -> torch.Tensor | bool:
-    """:meth:`DivergenceRanges.fires` on device values (the ranges only hold positive, finite values)."""
-    hit: torch.Tensor | bool = False
-    if loss is not None and r.loss:
-        inside = _inside(loss, r.loss)
-        if inside is not None:
-            hit = inside
-    if g is None or not r.grad:
-        return hit
-    grad_hit = _inside(g, r.grad)
-    if grad_hit is None:
-        return hit
-    if not r.continuing:
-        if loss is not None:
-            recorded = torch.isfinite(loss) & (loss > 0)
-            not_falling = torch.where(recorded, loss >= r.loss_not_falling_from,
-                                      torch.full_like(recorded, r.loss_not_falling_unrecorded))
-        else:
-            not_falling = r.loss_not_falling_unrecorded
-        grad_hit = grad_hit & not_falling
-    return hit | grad_hit
 
 
 @dataclasses.dataclass(eq=False)
@@ -320,18 +290,31 @@ class SyncFree:
         return {"device_steps": self.steps, "host_steps": dict(self.sync_steps)}
 
 
-def reconcile(decision: "Decision", device_block: bool, bounds: Bounds, reporter: "Reporter") -> None:
+def reconcile(decision: "Decision", device_block: bool, bounds: Bounds, reporter: "Reporter",
+              peers: dict[int, str] | None = None) -> None:
     """Make the host's decision of a device-decided step say what happened to its update (the
-    device's verdict is what the optimizer did). The two agree unless the update bound withheld
-    the step (the one verdict the host has no twin of: reported as ``grad_explosion``) or the
-    host's own verdict differs (recorded on the incident as ``details["sync_free_mismatch"]``)."""
+    device's verdict is what the optimizer did). The two agree unless another rank's verdict
+    withheld it (``peers``: the ranks whose own verdict blocked, and the kind their facts suggest,
+    from the agreement vector; said so on this rank's incident), the update bound withheld it (the one verdict the host has no
+    twin of: reported as ``grad_explosion``), or the host's own verdict differs (recorded on the
+    incident as ``details["sync_free_mismatch"]``)."""
     if device_block == decision.block:
         return
     incident = decision.incident
-    if device_block and incident is None:
+    health, limit = decision.health, bounds.update_limit
+    beyond = any(v is not None and v > limit for v in (health.grad_norm, health.param_norm))
+    others = [r for r in (peers or {}) if r != reporter.watched.rank]
+    if device_block and incident is None and others and not beyond:
+        peer = others[0]
+        decision.incident = reporter.new(
+            kind=(peers or {})[peer], phase=None, cause="unknown", summary=(
+                f"Rank {peer}'s own check withheld the update of step {reporter.watched.step}; this "
+                "rank skips it too, so that every replica stays identical."),
+            fix=f"See the incident recorded by rank {peer}.", action=Action.SKIPPED,
+            details={"peer_rank": peer, "sync_free": "withheld on the device by another rank's verdict"})
+    elif device_block and incident is None:
         from .diagnosis.patterns import explain
 
-        health, limit = decision.health, bounds.update_limit
         summary, fix = explain("gradient_explosion", detail=(
             f"to a gradient norm of {health.grad_norm:.4g} (parameters {health.param_norm:.4g}), beyond "
             f"{limit:.4g}, the largest for which the optimizer's update is proven finite"))

@@ -30,6 +30,8 @@ import dataclasses
 import math
 from collections import deque
 
+import torch
+
 __all__ = ["Divergence", "DivergenceDetector", "DivergenceRanges", "Growth", "GrowthTracker"]
 
 _MIN_R2 = 0.8
@@ -314,6 +316,35 @@ class DivergenceRanges:
         if loss is not None and math.isfinite(loss) and loss > 0:
             return loss >= self.loss_not_falling_from
         return self.loss_not_falling_unrecorded
+
+
+    def fires_on_device(self, loss: "torch.Tensor | None", grad_norm: "torch.Tensor | None") -> "torch.Tensor | bool":
+        """:meth:`fires` on 0-dim device tensors, without reading them (a bool tensor; ``False``
+        when nothing can fire, which is most steps: then no kernel runs at all)."""
+        hit: torch.Tensor | bool = False
+        if loss is not None and self.loss:
+            hit = _inside_device(loss, self.loss)
+        if grad_norm is None or not self.grad:
+            return hit
+        grad_hit = _inside_device(grad_norm, self.grad)
+        if not self.continuing:
+            if loss is not None:
+                recorded = torch.isfinite(loss) & (loss > 0)
+                not_falling = torch.where(recorded, loss >= self.loss_not_falling_from,
+                                          torch.full_like(recorded, self.loss_not_falling_unrecorded))
+                grad_hit = grad_hit & not_falling
+            elif not self.loss_not_falling_unrecorded:
+                return hit
+        return hit | grad_hit
+
+
+def _inside_device(v: "torch.Tensor", ranges: list[tuple[float, float]]) -> "torch.Tensor":
+    out = None
+    for lo, hi in ranges:
+        hit = (v >= lo) & (v <= hi) if math.isfinite(hi) else v >= lo
+        out = hit if out is None else out | hit
+    assert out is not None
+    return out
 
 
 def _inside(v: float | None, ranges: list[tuple[float, float]]) -> bool:
