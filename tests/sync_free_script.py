@@ -12,21 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nantrace
+from ddp_script import wrap  # the same DDP / FSDP2 wrapping as the other two-rank tests
 from nantrace.testing.host_reads import HostReadCounter
-
-
-def wrap(model: nn.Module, scenario: str) -> nn.Module:
-    if scenario.startswith("fsdp"):
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        return fully_shard(model)
-    return DDP(model)
 
 
 def train(scenario: str, sync_free: bool, rank: int, run_dir: str) -> dict:

@@ -168,21 +168,10 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
     if not forward_finite or not backward:
         return UnitResult(observed, forward_finite, None, None)
     params = grad_targets(watched, observed)
-    if isinstance(unit, CallRecord):
-        roots = [t for t in observed if t.requires_grad and t.numel() == 1][:1]
-        grad_outputs: list[torch.Tensor] | None = None
-        output_grads_finite = None
-    else:
-        recorded = dict(unit.output_grads)
-        roots, grad_outputs = [], []
-        for i, t in enumerate(observed):
-            if i in recorded and t.requires_grad:
-                g = recorded[i]
-                roots.append(t)
-                grad_outputs.append(g.float() if full_precision and g.dtype != t.dtype else g.to(t.dtype))
-        output_grads_finite = all(bool(torch.isfinite(g).all()) for g in grad_outputs) if grad_outputs else None
-        if output_grads_finite is False:
-            return UnitResult(observed, True, None, False)
+    roots, grad_outputs = _roots(unit, observed, full_precision)
+    output_grads_finite = all(bool(torch.isfinite(g).all()) for g in grad_outputs) if grad_outputs else None
+    if output_grads_finite is False:
+        return UnitResult(observed, True, None, False)
     if not roots:
         return UnitResult(observed, True, None, output_grads_finite, error="no gradient to replay")
     grads = torch.autograd.grad(roots, params, grad_outputs=grad_outputs, allow_unused=True)
