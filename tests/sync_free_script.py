@@ -59,6 +59,7 @@ def train(scenario: str, sync_free: bool, rank: int, run_dir: str) -> dict:
     return {
         "incidents": [[i.step, i.kind, i.rank, str(i.action), i.cause, i.op, i.module, i.source] for i in guard.incidents],
         "peer": [i.details.get("peer_rank") for i in guard.incidents],
+        "summaries": [i.summary for i in guard.incidents],
         "raised": raised,
         "reads": reads,
         "replicas_equal": bool(torch.equal(gathered[0], gathered[1])),

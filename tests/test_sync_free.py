@@ -386,3 +386,5 @@ def test_a_divergence_of_one_ranks_loss_stops_every_rank_together(tmp_path):
         assert [i[:4] for i in sync["incidents"]] == [[5, "loss_spike", 1, "skipped"], [10, "loss_spike", 1, "paused"]]
         assert [i[4] for i in sync["incidents"]] == (["loss_divergence"] * 2 if rank == 1 else ["unknown"] * 2)
         assert sync["peer"] == ([None, None] if rank == 1 else [1, 1])
+        if rank == 0:  # a finite anomaly of rank 1's own loss, not values it sent
+            assert all("The anomaly is rank 1's own (its loss)" in s for s in sync["summaries"])

@@ -149,8 +149,12 @@ class StepJudge:
                 incident.details["origin_ranks"] = agreement.origin_ranks
                 if watched.rank not in agreement.origin_ranks:
                     reduction = "reduce-scatter" if watched.sharded else "all-reduce"
-                    incident.summary = (f"The non-finite values came from rank {incident.rank} (its own data or "
-                                        f"gradients, before the {reduction}); this rank only received them. " + incident.summary)
+                    if incident.kind.startswith("nonfinite"):
+                        origin = (f"The non-finite values came from rank {incident.rank} (its own data or gradients, "
+                                  f"before the {reduction}); this rank only received them. ")
+                    else:  # a finite anomaly of that rank's own loss (a spike, a divergence)
+                        origin = f"The anomaly is rank {incident.rank}'s own (its loss); this rank did not see it. "
+                    incident.summary = origin + incident.summary
         return Decision(health, incident, block=incident is not None and incident.action != Action.LOGGED,
                         scaler_skip=scaler_skip, grad_index=grad_index, agreement=agreement)
 
