@@ -117,18 +117,21 @@ def test_a_compiled_loss_function_is_diagnosed_without_recompiling_for_the_tape(
     assert not [w for w in recwarn if "recompile" in str(w.message).lower()]
 
 
-def test_the_prelude_traces_a_value_made_before_the_forward_and_replays_without_side_effects():
+def test_the_prelude_traces_a_value_made_before_the_forward_and_replays_without_side_effects(tmp_path):
     """PPO-shaped: advantages normalised before the policy's forward (std = 0 when every reward is
     equal), while between steps the loop clips weights in place, keeps an EMA and draws from its own
     generator. The incident names the division on its line (not "the batch"); the replay of the
     prelude touched none of the real state: the weights equal a run whose prelude is not taped."""
-    def run(record: bool) -> tuple[list, dict]:
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def run(record: bool, run_dir=None) -> tuple[list, dict]:
         torch.manual_seed(0)
-        policy = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+        policy = make()
         ema = [p.detach().clone() for p in policy.parameters()]
         opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
-        guard = nantrace.watch(policy, opt, config=nantrace.Config(outputs={"print_incidents": False},
-                                                                  localisation={"record_loss_code": record}))
+        guard = nantrace.watch(policy, opt, run_dir=run_dir, config=nantrace.Config(
+            outputs={"print_incidents": False}, localisation={"record_loss_code": record}))
         gen = torch.Generator().manual_seed(3)
         for step in range(8):
             obs = torch.randn(32, 4, generator=gen)
@@ -145,7 +148,7 @@ def test_the_prelude_traces_a_value_made_before_the_forward_and_replays_without_
         guard.close()
         return guard.incidents, {**policy.state_dict(), **{f"ema{i}": e for i, e in enumerate(ema)}}
 
-    with_prelude, state = run(True)
+    with_prelude, state = run(True, run_dir=tmp_path / "run")
     without, reference = run(False)
     assert all(torch.equal(state[k], reference[k]) for k in reference)
     [incident] = with_prelude
@@ -153,3 +156,6 @@ def test_the_prelude_traces_a_value_made_before_the_forward_and_replays_without_
     assert (incident.step, incident.kind, incident.op, incident.cause) == (5, "nonfinite_loss", "aten.div.Tensor", "zero_variance_norm")
     assert incident.source.endswith(f"test_loss_tape.py:{line}")
     assert [(i.step, i.kind, i.cause) for i in without] == [(5, "nonfinite_loss", "unknown")]  # no tapes: no op
+    # the bundle carries the prelude: replaying it names the same division on the same line
+    again = nantrace.replay(incident.bundle, make())
+    assert (again.kind, again.op, again.cause, again.source) == (incident.kind, incident.op, incident.cause, incident.source)

@@ -135,7 +135,7 @@ def replay(bundle_dir: str | os.PathLike[str], model: nn.Module | str | None = N
             cause="unknown", summary=saved.summary, fix=saved.fix, action=Action.LOGGED,
             details={"replayed_from": str(bundle.path)},
         )
-        capture = StepCapture(forwards=list(bundle.forwards), tape=bundle.tape)
+        capture = StepCapture(forwards=list(bundle.forwards), tape=bundle.tape, prelude=bundle.prelude)
         if bundle.outputs_finite is not None:
             capture.outputs_ok = torch.tensor(bundle.outputs_finite)
         if saved.kind == "exception":  # the step raised: replay it until it raises again

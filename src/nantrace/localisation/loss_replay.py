@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..capture import floating_tensors
 from ..loss_tape import LossTape, Ref, tensors_of
-from ..storage.tape_codec import OutputRef
+from ..storage.tape_codec import OutputRef, PreludeRef
 from .rerun import grad_targets, run_unit
 from .tracer import OpTracer
 
@@ -44,6 +44,8 @@ class _Decoder:
     def __init__(self, replaced: dict[int, torch.Tensor], shared: set[int],
                  unit_outputs: list[list[torch.Tensor]], externals: dict[int, str], *, copy_all: bool = False) -> None:
         self.copy_all = copy_all
+        self.prelude_values: list[list[torch.Tensor]] | None = None
+        """The replayed prelude's values, by call (what a bundle's :class:`PreludeRef` names)."""
         """Copy parameters and buffers too (the prelude: code between steps may change them in
         place, weight clipping, an EMA; its replay must never touch the real ones)."""
         self.values: list[list[torch.Tensor]] = []
@@ -59,6 +61,10 @@ class _Decoder:
     def __call__(self, obj: Any) -> Any:
         if isinstance(obj, Ref):
             return self.values[obj.entry][obj.slot]
+        if isinstance(obj, PreludeRef):  # a bundle's loss tape names the prelude call that made the tensor
+            if self.prelude_values is not None and obj.entry < len(self.prelude_values):
+                return self.prelude_values[obj.entry][obj.slot]
+            return self(obj.value)
         if isinstance(obj, OutputRef):  # a tape restored from a bundle names the model's outputs by position
             return self.unit_outputs[obj.unit][obj.index]
         if isinstance(obj, torch.Tensor):
@@ -108,9 +114,11 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer) -> BaseExceptio
     return None
 
 
-def _replay_prelude(prelude: LossTape, tracer: OpTracer, *, exclude: set[int]) -> dict[int, torch.Tensor]:
+def _replay_prelude(prelude: LossTape, tracer: OpTracer, *,
+                    exclude: set[int]) -> tuple[dict[int, torch.Tensor], list[list[torch.Tensor]]]:
     """Replay the prelude; map each real output still alive (by id) to its replayed value, except
-    the model's own inputs (``exclude``: the replayed forward read the real ones)."""
+    the model's own inputs (``exclude``: the replayed forward read the real ones); and the values
+    by call (a prelude restored from a bundle has no real tensors to map)."""
     decode = _Decoder({}, set(), [], tracer.externals, copy_all=True)
     error = _reissue(prelude, decode, tracer)
     if error is not None:
@@ -121,7 +129,7 @@ def _replay_prelude(prelude: LossTape, tracer: OpTracer, *, exclude: set[int]) -
             real = ref()
             if real is not None and id(real) not in exclude:
                 out[id(real)] = value
-    return out
+    return out, decode.values
 
 
 def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tracer: OpTracer, *,
@@ -155,12 +163,15 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
         tracer.flush()
         if tape is None or not tape.entries:
             return StepResult(None, outputs_finite, None, None, outputs_finite)
+        prelude_values = None
         if prelude is not None and prelude.usable:
             try:
-                replaced.update(_replay_prelude(prelude, tracer, exclude=shared))
+                by_id, prelude_values = _replay_prelude(prelude, tracer, exclude=shared)
+                replaced.update(by_id)
             except Exception:  # noqa: BLE001  the prelude is evidence, not the step: without it, its values count as inputs
                 tracer.flush()
         decode = _Decoder(replaced, shared, unit_outputs, tracer.externals)
+        decode.prelude_values = prelude_values
         error = _reissue(tape, decode, tracer)
         if error is not None:
             return StepResult(None, False, None, error, outputs_finite)

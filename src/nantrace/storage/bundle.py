@@ -23,7 +23,7 @@ import torch
 
 from ..capture import AutocastState, ForwardRecord, RngState, StepCapture
 from ..incident import Incident
-from .tape_codec import Unencodable, decode_tape, encode_tape
+from .tape_codec import Unencodable, decode_prelude, decode_tape, encode_tape
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -150,6 +150,8 @@ class Bundle:
     forwards: list[ForwardRecord]
     tape: Any = None
     """The step's loss tape (:class:`~nantrace.loss_tape.LossTape`), when the bundle holds one."""
+    prelude: Any = None
+    """The step's prelude (its code before the model's forward), when the bundle holds one."""
     outputs_finite: bool | None = None
     """Were the model's outputs finite in the real step (``None``: not recorded)."""
 
@@ -209,13 +211,14 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
                 output_grads=[(int(i), g) for i, g in f["output_grads"]],
             )
         )
-    tape = None
+    tape = prelude = None
     if batch.get("tape"):
         try:
             tape = decode_tape(batch["tape"])
+            prelude = decode_prelude(batch["tape"])
         except (ImportError, AttributeError, KeyError, TypeError) as exc:
             incident.details["bundle_tape"] = f"the loss code could not be restored: {type(exc).__name__}: {exc}"
-    return Bundle(path=p, incident=incident, env=env, state=state, forwards=forwards, tape=tape,
+    return Bundle(path=p, incident=incident, env=env, state=state, forwards=forwards, tape=tape, prelude=prelude,
                   outputs_finite=batch.get("outputs_finite"))
 
 
@@ -225,6 +228,6 @@ def _tape_data(capture: StepCapture) -> tuple[dict[str, Any] | None, str | None]
     if tape is None or capture.calls or not tape.usable:
         return None, None
     try:
-        return encode_tape(tape, capture.forwards), None
+        return encode_tape(tape, capture.forwards, getattr(capture, "prelude", None)), None
     except Unencodable as exc:
         return None, f"the loss code is not in the bundle ({exc}); replay covers the model only"

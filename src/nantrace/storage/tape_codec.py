@@ -25,6 +25,18 @@ class Unencodable(ValueError):
     """A value of the tape that a bundle cannot hold."""
 
 
+class PreludeRef:
+    """A tensor the loss code received from the step's prelude: output ``slot`` of its call ``entry``
+    (a bundle cannot keep the identity of the real tensor, so it names the call that made it)."""
+
+    __slots__ = ("entry", "slot", "value")
+
+    def __init__(self, entry: int, slot: int, value: torch.Tensor | None = None) -> None:
+        self.entry, self.slot = entry, slot
+        self.value = value
+        """The tensor as the real step had it: what the loss code receives if the prelude cannot be replayed."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class OutputRef:
     """Output ``index`` of forward call ``unit`` of the step (the model's outputs)."""
@@ -77,7 +89,8 @@ def resolve(name: str) -> Any:
     return obj
 
 
-def _encode(value: Any, outputs: dict[int, tuple[int, int]], depth: int = 0) -> Any:
+def _encode(value: Any, outputs: dict[int, tuple[int, int]], depth: int = 0,
+            prelude: dict[int, tuple[int, int]] | None = None) -> Any:
     if depth > 6:
         raise Unencodable("nested too deep")
     if isinstance(value, Ref):
@@ -85,6 +98,8 @@ def _encode(value: Any, outputs: dict[int, tuple[int, int]], depth: int = 0) -> 
     if isinstance(value, torch.Tensor):
         if id(value) in outputs:
             return {"__output__": list(outputs[id(value)])}
+        if prelude and id(value) in prelude:
+            return {"__prelude__": list(prelude[id(value)]), "value": value.detach().cpu().clone()}
         return value.detach().cpu().clone()
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -97,16 +112,20 @@ def _encode(value: Any, outputs: dict[int, tuple[int, int]], depth: int = 0) -> 
         return {"__ellipsis__": 0}
     if isinstance(value, torch.dtype):
         return {"__dtype__": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.Generator):  # the tapes keep a snapshot taken before the call
+        if value.device.type != "cpu":
+            raise Unencodable(f"a {value.device.type} generator")
+        return {"__generator__": value.get_state()}
     if isinstance(value, torch.device):
         return {"__device__": str(value)}
     if isinstance(value, torch.Size):
         return {"__size__": list(value)}
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return {"__tuple__": [_encode(v, outputs, depth + 1) for v in value]}
+        return {"__tuple__": [_encode(v, outputs, depth + 1, prelude) for v in value]}
     if isinstance(value, list):
-        return [_encode(v, outputs, depth + 1) for v in value]
+        return [_encode(v, outputs, depth + 1, prelude) for v in value]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {"__dict__": {k: _encode(v, outputs, depth + 1) for k, v in value.items()}}
+        return {"__dict__": {k: _encode(v, outputs, depth + 1, prelude) for k, v in value.items()}}
     raise Unencodable(f"a {type(value).__name__} argument")
 
 
@@ -116,12 +135,18 @@ def _decode(value: Any) -> Any:
             return Ref(*value["__ref__"])
         if "__output__" in value:
             return OutputRef(*value["__output__"])
+        if "__prelude__" in value:
+            return PreludeRef(*value["__prelude__"], value.get("value"))
         if "__slice__" in value:
             return slice(*value["__slice__"])
         if "__ellipsis__" in value:
             return Ellipsis
         if "__dtype__" in value:
             return getattr(torch, value["__dtype__"])
+        if "__generator__" in value:
+            generator = torch.Generator()
+            generator.set_state(value["__generator__"])
+            return generator
         if "__device__" in value:
             return torch.device(value["__device__"])
         if "__size__" in value:
@@ -136,8 +161,9 @@ def _decode(value: Any) -> Any:
     return value
 
 
-def encode_tape(tape: LossTape, forwards: list[Any]) -> dict[str, Any]:
-    """The tape as bundle data; raises :class:`Unencodable` when it holds something a bundle cannot."""
+def encode_tape(tape: LossTape, forwards: list[Any], prelude: LossTape | None = None) -> dict[str, Any]:
+    """The tape as bundle data (with the step's prelude, when it has a usable one); raises
+    :class:`Unencodable` when it holds something a bundle cannot."""
     if not tape.usable or tape.loss is None:
         raise Unencodable("the step left no complete tape")
     outputs: dict[int, tuple[int, int]] = {}
@@ -146,23 +172,54 @@ def encode_tape(tape: LossTape, forwards: list[Any]) -> dict[str, Any]:
             t = ref()
             if t is not None:
                 outputs[id(t)] = (u, i)
-    entries = [{"func": function_name(e.func), "args": _encode(e.args, outputs), "kwargs": _encode(e.kwargs, outputs),
-                "source": e.source} for e in tape.entries]
-    return {"entries": entries, "loss": [tape.loss.entry, tape.loss.slot],
-            "losses": [[r.entry, r.slot] for r in tape.losses],
-            "rng_marks": [[i, rng.cpu] for i, rng in tape.rng_marks],
+    made: dict[int, tuple[int, int]] = {}
+    pre = None
+    if prelude is not None and prelude.usable:
+        try:
+            pre = _entries(prelude, {}, None)
+            for e, refs in enumerate(prelude.outputs):
+                for slot, ref in enumerate(refs):
+                    t = ref()
+                    if t is not None and id(t) not in outputs:
+                        made[id(t)] = (e, slot)
+        except Unencodable:
+            pre, made = None, {}  # the loss code alone: what the prelude made counts as received
+    data = {"entries": _entries(tape, outputs, made), "loss": [tape.loss.entry, tape.loss.slot],
+            "losses": [[r.entry, r.slot] for r in tape.losses], **_marks(tape)}
+    if pre is not None:
+        data["prelude"] = {"entries": pre, **_marks(prelude)}  # type: ignore[arg-type]
+    return data
+
+
+def _entries(tape: LossTape, outputs: dict[int, tuple[int, int]], prelude: dict[int, tuple[int, int]] | None) -> list[Any]:
+    return [{"func": function_name(e.func), "args": _encode(e.args, outputs, 0, prelude),
+             "kwargs": _encode(e.kwargs, outputs, 0, prelude), "source": e.source} for e in tape.entries]
+
+
+def _marks(tape: LossTape) -> dict[str, Any]:
+    return {"rng_marks": [[i, rng.cpu] for i, rng in tape.rng_marks],
             "autocast": tape.autocast.to_dict() if tape.autocast is not None else None}
 
 
 def decode_tape(data: dict[str, Any]) -> LossTape:
     """A tape rebuilt from bundle data, ready for a replay (never pushed on the mode stack)."""
-    tape = LossTape()
+    tape = _decode_calls(LossTape(), data)
+    tape.loss = Ref(*data["loss"])
+    tape.losses = [Ref(*r) for r in data.get("losses", [data["loss"]])]
+    return tape
+
+
+def decode_prelude(data: dict[str, Any]) -> LossTape | None:
+    """The step's prelude from bundle data (``None`` when the bundle holds none)."""
+    pre = data.get("prelude")
+    return _decode_calls(LossTape(prelude=True), pre) if pre else None
+
+
+def _decode_calls(tape: LossTape, data: dict[str, Any]) -> LossTape:
     for item in data["entries"]:
         args = _decode(item["args"])
         tape.entries.append(Entry(resolve(item["func"]), tuple(args) if isinstance(args, (list, tuple)) else (),
                                   _decode(item["kwargs"]) or {}, item.get("source")))
-    tape.loss = Ref(*data["loss"])
-    tape.losses = [Ref(*r) for r in data.get("losses", [data["loss"]])]
     tape.rng_marks = [(int(i), RngState(cpu=state, cuda=None)) for i, state in data.get("rng_marks", [])]
     ac = data.get("autocast")
     if ac:
