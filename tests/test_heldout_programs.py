@@ -47,18 +47,7 @@ def origin_line(tag: str) -> int:
 
 
 # ============================================================================ harness
-@dataclasses.dataclass(frozen=True)
-class Want:
-    """The diagnosis a case must get (decided from how the failure was built)."""
-
-    kind: str
-    phase: str | None
-    op: str | None
-    module: str | None
-    tag: str | None
-    cause: str
-    step: int = FAIL_STEP
-    action: str = "skipped"
+from test_programs import Want  # noqa: E402  the same diagnosis record as the other real-program cases
 
 
 @dataclasses.dataclass
