@@ -65,18 +65,18 @@ def test_nonfinite_loss_under_a_scaler_is_an_incident(quiet):
 
 
 def _fp16_run(init_scale: float, steps: int, *, config: nantrace.Config, collapse_at: int | None = None,
-              replayable: bool = False):
+              replayable: bool = False, device: str = "cpu"):
     """A bias-free MLP under float16 autocast (a healthy run). At ``collapse_at`` the first layer's
     weights are shrunk 2e5-fold and the second's grown as much: the forward stays finite, but the
     first layer's weight gradient (a sum over the batch) overflows float16 at any scale, step after step."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 64, bias=False), torch.nn.Tanh(), torch.nn.Linear(64, 1, bias=False))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64, bias=False), torch.nn.Tanh(), torch.nn.Linear(64, 1, bias=False)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    scaler = torch.amp.GradScaler(device, init_scale=init_scale)
     guard = nantrace.watch(model, opt, scaler, config=config)
 
     def loss_fn(x):
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device, dtype=torch.float16):
             return model(x).float().pow(2).mean()
 
     if replayable:
@@ -90,7 +90,7 @@ def _fp16_run(init_scale: float, steps: int, *, config: nantrace.Config, collaps
                     model[0].weight.mul_(5e-6)
                     model[2].weight.mul_(2e5)
             opt.zero_grad()
-            scaler.scale(loss_fn(torch.randn(4096, 8, generator=g) + 4)).backward()
+            scaler.scale(loss_fn(torch.randn(4096, 8, generator=g).to(device) + 4)).backward()
             scaler.step(opt)
             scaler.update()
     except nantrace.NonFiniteError as exc:

@@ -34,7 +34,7 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
         return self.head(self.block(self.emb(ids) + self.pos[: ids.shape[1]], src_mask=mask, is_causal=True))
 
 
@@ -58,11 +58,12 @@ SCENARIOS = {
 
 
 @functools.lru_cache(maxsize=None)
-def _train(scenario: str, sync_free: bool) -> dict:
-    """One run of the scenario (cached: the tests below only read the result)."""
+def _train(scenario: str, sync_free: bool | str, device: str = "cpu") -> dict:
+    """One run of the scenario (cached: the tests below only read the result). The batches are
+    drawn on the CPU and moved to ``device`` (tests/test_cuda_paths.py runs these on a GPU)."""
     kind, policy, steps = SCENARIOS[scenario]
     torch.manual_seed(0)
-    model = TinyGPT() if kind == "gpt" else _mlp()
+    model = (TinyGPT() if kind == "gpt" else _mlp()).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     cfg = nantrace.Config(outputs={"print_incidents": False}, detection={"sync_free": sync_free})
     guard = nantrace.watch(model, opt, config=cfg, on_anomaly=policy)
@@ -74,6 +75,7 @@ def _train(scenario: str, sync_free: bool) -> dict:
             y = torch.roll(x, -1, 1)
         else:
             x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+        x, y = x.to(device), y.to(device)
         if scenario in ("nan_input", "raise_policy") and step in (7, 20):
             x[3, 2] = float("nan")
         if scenario == "ladder_pauses" and 10 <= step < 18:
@@ -149,17 +151,21 @@ def test_sync_free_gives_the_synchronous_weights_and_incidents(scenario):
     assert free["raised_at"] == (None if sync["raised_at"] is None else sync["raised_at"] + 1)
 
 
-@pytest.mark.parametrize("scenario, first", [
-    ("nan_input", (7, "nonfinite_input", "nonfinite_input", None, None, "skipped")),
-    ("loss_code_log_of_negative", (9, "nonfinite_loss", "log_nonpositive", "aten.log.default", None, "skipped")),
-    ("backward_sqrt_at_zero", (12, "nonfinite_grad", "grad_singularity", "aten.sqrt.default", None, "skipped")),
-    ("gpt_nan_logits", (12, "nonfinite_loss", "div_by_zero", "aten.div.Tensor", None, "skipped")),
-    ("loss_spike", (45, "loss_spike", "loss_divergence", None, None, "skipped")),
-    ("divergence", (36, "loss_spike", "loss_divergence", None, None, "skipped")),
-    ("raise_policy", (7, "nonfinite_input", "nonfinite_input", None, None, "raised")),
-    ("ladder_pauses", (10, "nonfinite_input", "nonfinite_input", None, None, "skipped")),
-    ("param_written_between_steps", (15, "nonfinite_param", "nonfinite_param", None, "0", "raised")),
-])
+FIRST = {
+    "nan_input": (7, "nonfinite_input", "nonfinite_input", None, None, "skipped"),
+    "loss_code_log_of_negative": (9, "nonfinite_loss", "log_nonpositive", "aten.log.default", None, "skipped"),
+    "backward_sqrt_at_zero": (12, "nonfinite_grad", "grad_singularity", "aten.sqrt.default", None, "skipped"),
+    "gpt_nan_logits": (12, "nonfinite_loss", "div_by_zero", "aten.div.Tensor", None, "skipped"),
+    "loss_spike": (45, "loss_spike", "loss_divergence", None, None, "skipped"),
+    "divergence": (36, "loss_spike", "loss_divergence", None, None, "skipped"),
+    "raise_policy": (7, "nonfinite_input", "nonfinite_input", None, None, "raised"),
+    "ladder_pauses": (10, "nonfinite_input", "nonfinite_input", None, None, "skipped"),
+    "param_written_between_steps": (15, "nonfinite_param", "nonfinite_param", None, "0", "raised"),
+}
+"""Each scenario's first incident: (step, kind, cause, op, module, action)."""
+
+
+@pytest.mark.parametrize("scenario, first", list(FIRST.items()))
 def test_the_scenarios_are_diagnosed_as_designed(scenario, first):
     """The incidents both modes agree on are the right ones (not only the same ones): found one
     step late, the sync-free step is still localised (op, cause) from what was kept of it."""
