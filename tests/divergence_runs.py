@@ -153,7 +153,9 @@ RUNS: dict[str, Run] = {r.name: r for r in (
     Run("char_lm", _char_lm, "adam", 1e-2, 10, 300, True),
     # diverging: a warm-up to a peak learning rate several times too high
     Run("mlp_warmup_too_high", lambda s: _mlp_regression(s), "sgd", 0.4, 50, 120, False),
-    Run("relu_warmup_too_high", _relu_classifier, "sgd", 1.0, 40, 120, False),
+    # peak 2.0: at 1.0-1.5 some seeds collapse to dead ReLUs instead of diverging, depending on the
+    # CPU's kernels (seed 1 diverged on one machine and not on another)
+    Run("relu_warmup_too_high", _relu_classifier, "sgd", 2.0, 40, 120, False),
 )}
 
 

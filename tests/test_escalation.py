@@ -97,8 +97,8 @@ def test_budget_zero_skips_forever_but_says_so():
 @pytest.mark.parametrize("policy, extra, expected", [
     # a finite divergence only logged: one incident counted step after step; the NaN it ends in is a new
     # incident of the episode (a new kind after applied steps), skipped 5 times, then the pause
-    ("skip", {"finite_anomaly_action": "log"}, [(28, "loss_spike", "logged", 22), (50, "nonfinite_loss", "skipped", 5),
-                                                (55, "nonfinite_loss", "paused", 1)]),
+    # (made below from the step where the same run without nantrace first turns NaN)
+    ("skip", {"finite_anomaly_action": "log"}, None),
     # rollback: the divergence recurs from the restored state; 3 rollbacks on one incident, then pause
     ("rollback", {"rollback_interval": 10}, [(28, "loss_spike", "rolled_back", 3), (31, "loss_spike", "paused", 1)]),
 ])
@@ -107,6 +107,10 @@ def test_a_diverging_warmup_under_each_policy(policy, extra, expected, one_threa
 
     result = train(RUNS["mlp_warmup_too_high"], seed=0,
                    guard_kwargs={"on_anomaly": policy, "config": nantrace.Config(print_incidents=False, **extra)})
+    if policy == "skip":  # where the logged divergence turns NaN is the run's own (49 or 50 by the CPU's kernels)
+        nan_at = train(RUNS["mlp_warmup_too_high"], seed=0).first_nonfinite
+        expected = [(28, "loss_spike", "logged", nan_at - 28), (nan_at, "nonfinite_loss", "skipped", 5),
+                    (nan_at + 5, "nonfinite_loss", "paused", 1)]
     assert [(i.step, i.kind, i.action, i.details["count"]) for i in result.guard.incidents] == expected
     assert isinstance(result.error, nantrace.NonFiniteError)
 

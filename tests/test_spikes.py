@@ -177,3 +177,28 @@ def test_finite_anomalies_can_be_logged_only():
         opt.step()
     guard.close()
     assert [(i.step, i.kind, i.action) for i in guard.incidents][:1] == [(50, "loss_spike", "logged")]
+
+
+def _reference_noise_scale(series: np.ndarray) -> float:
+    """The noise scale with NumPy's own median and quantile (the definition the fast one must match)."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    level = np.median(sliding_window_view(series[:-1], 16), axis=1)
+    residuals = series[16:] - level
+    spread = np.abs(residuals - np.median(residuals))
+    return max(1.4826 * float(np.median(spread)), float(np.quantile(spread, 0.99)) / 2.576)
+
+
+@pytest.mark.parametrize("shape", ["normal", "log_uniform", "ties", "random_walk", "spiky"])
+def test_the_noise_scale_is_numpys_median_and_quantile_bit_for_bit(shape):
+    from nantrace.detection.spikes import _noise_scale
+
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        n = int(rng.integers(17, 260))
+        series = {"normal": lambda: rng.standard_normal(n),
+                  "log_uniform": lambda: np.log(rng.random(n) + 1e-3),
+                  "ties": lambda: np.round(rng.random(n), 1),
+                  "random_walk": lambda: np.cumsum(rng.standard_normal(n)),
+                  "spiky": lambda: rng.standard_normal(n) * np.where(rng.random(n) < 0.05, 100.0, 1.0)}[shape]()
+        assert _noise_scale(series) == _reference_noise_scale(series), n
