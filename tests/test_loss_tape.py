@@ -53,6 +53,63 @@ def test_only_the_loss_code_is_taped_and_the_stack_is_left_clean():
     assert torch._C._len_torch_function_stack() == 0
 
 
+def test_the_sampled_statistics_hooks_are_not_taped_as_loss_code():
+    """On a sampled step the logits and activation statistics hooks run after the guard's own hook
+    has resumed the loss tape: their ops (no_grad, amax, ...) are the guard's, not the user's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(
+        outputs={"print_incidents": False}, dynamics={"logit_stats_every": 1, "activation_stats_every": 1}))
+    for _ in range(2):
+        tape = guard.recorder.capture.tape
+        opt.zero_grad()
+        loss = F.cross_entropy(model(torch.randn(8, 8)), torch.randint(0, 10, (8,)))
+        assert [getattr(e.func, "__name__", "?") for e in tape.entries] == ["randint", "cross_entropy"]
+        loss.backward()
+        opt.step()
+    guard.close()
+    summary = nantrace.dynamics.summary(guard)
+    assert summary["logits"]["step"] is not None  # the hook ran (and the activation hooks on the sampled steps)
+
+
+def test_a_watched_forward_ends_every_other_guards_prelude_but_not_its_loss_tape():
+    """Two watched models trained in turn (an actor and a critic with their own optimizers): the
+    actor's prelude (the code before its next forward) stops where the critic's forward begins, so
+    it never tapes the critic's step; a watched model's forward inside another's loss code (the
+    critic scoring the actor's action) is still taped as that loss code."""
+    torch.manual_seed(0)
+    actor, critic = nn.Sequential(nn.Linear(4, 2), nn.Tanh()), nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt_a, opt_c = torch.optim.Adam(actor.parameters()), torch.optim.Adam(critic.parameters())
+    a_guard = nantrace.watch(actor, opt_a, config=nantrace.Config(print_incidents=False))
+    c_guard = nantrace.watch(critic, opt_c, config=nantrace.Config(print_incidents=False))
+    a_prelude = a_guard.recorder.capture.prelude
+    for _ in range(3):
+        state = torch.randn(8, 4)
+        # the actor's step: the critic's forward in its loss code is the actor's loss code
+        opt_a.zero_grad()
+        action = actor(state)
+        a_tape = a_guard.recorder.capture.tape
+        value = critic(torch.cat([state, action], dim=1))
+        (-value.mean()).backward()
+        names = [getattr(e.func, "__name__", "?") for e in a_tape.entries]
+        assert names[:1] == ["cat"] and "linear" in names, names
+        opt_a.step()
+        # the critic's step, on a target: the actor's prelude has taped the target, not the critic
+        target = torch.randn(8, 1) * 0.5
+        opt_c.zero_grad()
+        pred = critic(torch.cat([state, action.detach()], dim=1))
+        assert not a_prelude.recording
+        assert [getattr(e.func, "__name__", "?") for e in a_prelude.entries] == ["randn", "mul", "detach", "cat"]
+        F.mse_loss(pred, target).backward()
+        opt_c.step()
+        assert [getattr(e.func, "__name__", "?") for e in a_prelude.entries] == ["randn", "mul", "detach", "cat"]
+    a_guard.close()
+    c_guard.close()
+    assert torch._C._len_torch_function_stack() == 0
+    assert a_guard.incidents == [] and c_guard.incidents == []
+
+
 class Noisy(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -100,6 +100,27 @@ def tensors_of(out: Any) -> list[torch.Tensor]:
     return []
 
 
+class _Untaped:
+    """``with untaped():`` nantrace's own work (a guard's hooks) while a tape records: no tape
+    takes it in. With two watched models, one model's forward may run inside the other's loss
+    code, and its guard's hooks (the extremes of its inputs, say) are not that loss code."""
+
+    depth = 0
+
+    def __enter__(self) -> None:
+        _Untaped.depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _Untaped.depth -= 1
+
+
+_UNTAPED = _Untaped()
+
+
+def untaped() -> _Untaped:
+    return _UNTAPED
+
+
 class LossTape(TorchFunctionMode):
     """Records the torch calls of one step's loss code; see the module docstring."""
 
@@ -202,7 +223,7 @@ class LossTape(TorchFunctionMode):
     # ------------------------------------------------------------------ recording
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self._recording or torch.compiler.is_compiling():
+        if not self._recording or _Untaped.depth or torch.compiler.is_compiling():
             # a torch.compile'd loss function is traced by dynamo, not taped (its calls run fused, in the graph)
             return func(*args, **kwargs)
         if getattr(func, "__self__", None) in _HANDLES:  # p.grad / t.data read or written (zero_grad, clipping, EMA)

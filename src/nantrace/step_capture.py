@@ -28,12 +28,15 @@ import torch
 from torch import nn
 
 from .capture import AutocastState, BufferPlan, CallRecord, ForwardRecord, RngState, StepCapture, floating_tensors
-from .loss_tape import PRELUDE_ENTRIES, LossTape
+from .loss_tape import PRELUDE_ENTRIES, LossTape, untaped
 from .watched import Watched
 
 __all__ = ["StepRecorder"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+_PRELUDES: "weakref.WeakSet[LossTape]" = weakref.WeakSet()
+"""Every live guard's prelude tape: a watched model's forward ends them all (see ``forward_pre``)."""
 
 
 class StepRecorder:
@@ -53,6 +56,8 @@ class StepRecorder:
         )  # the guard owns the recorder: hold its method weakly, so a dropped guard is freed at once
         if self.tape is not None:
             self.tape.on_exception = self._exception
+        if self.prelude is not None:
+            _PRELUDES.add(self.prelude)
         self.capture = self._new_capture()
         """What has been captured of the step in progress."""
 
@@ -103,13 +108,21 @@ class StepRecorder:
     # ------------------------------------------------------------ the model's forward
     def forward_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.pause_tape()  # the model's own ops are replayed from its inputs, not taped
+        if len(_PRELUDES) > 1:
+            # Another guard's prelude ends here too: a watched model's forward belongs to its own
+            # guard's step (two watched models, a GAN's), not to the code before another's forward.
+            # The other guards' loss tapes keep recording: D(G(z)) is part of G's loss code.
+            for prelude in list(_PRELUDES):
+                if prelude is not self.prelude:
+                    prelude.pause()
         if self.watched.closed or self.watched.replaying or not torch.is_grad_enabled():
             return
-        record = ForwardRecord(args=args, kwargs=kwargs, rng=RngState.current(), autocast=AutocastState.current(),
-                               buffers=self.buffers.snapshot())
-        self.capture.forwards.append(record)
-        if self.watched.config.detection.check_inputs:
-            self.capture.note_inputs(floating_tensors((args, kwargs)))
+        with untaped():  # this guard's work, not another guard's loss code
+            record = ForwardRecord(args=args, kwargs=kwargs, rng=RngState.current(), autocast=AutocastState.current(),
+                                   buffers=self.buffers.snapshot())
+            self.capture.forwards.append(record)
+            if self.watched.config.detection.check_inputs:
+                self.capture.note_inputs(floating_tensors((args, kwargs)))
 
     def forward_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if output is None and sys.exc_info()[1] is not None:  # the forward raised (an always-called hook)
@@ -118,16 +131,17 @@ class StepRecorder:
         if self.watched.closed or self.watched.replaying or not torch.is_grad_enabled() or not self.capture.forwards:
             return
         record = self.capture.forwards[-1]
-        self.buffers.learn()
-        outputs = floating_tensors(output)
-        if self.tape is not None:
-            record.outputs = [weakref.ref(t) for t in outputs]
-        if self.watched.config.detection.check_outputs:
-            self.capture.note_outputs(outputs)
-        if self.watched.config.localisation.keep_output_grads:
-            for i, t in enumerate(outputs):
-                if t.requires_grad:
-                    t.register_hook(functools.partial(_keep_grad, record, i))
+        with untaped():
+            self.buffers.learn()
+            outputs = floating_tensors(output)
+            if self.tape is not None:
+                record.outputs = [weakref.ref(t) for t in outputs]
+            if self.watched.config.detection.check_outputs:
+                self.capture.note_outputs(outputs)
+            if self.watched.config.localisation.keep_output_grads:
+                for i, t in enumerate(outputs):
+                    if t.requires_grad:
+                        t.register_hook(functools.partial(_keep_grad, record, i))
         if self.tape is not None:
             self.tape.resume()
 
@@ -169,6 +183,7 @@ class StepRecorder:
 
     def close(self) -> None:
         if self.prelude is not None:
+            _PRELUDES.discard(self.prelude)
             self.prelude.detach()
         if self.tape is not None:
             self.tape.on_exception = None

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..capture import floating_tensors
+from ..loss_tape import untaped
 from ._common import SafeMonitor, is_sampled
 from ._readback import DeferredRead
 from .base import Signal, StepContext
@@ -109,7 +110,7 @@ class ActivationMonitor(SafeMonitor):
             watched = self._watched
             if watched is None or watched.replaying:
                 return
-            with torch.no_grad():
+            with untaped(), torch.no_grad():
                 stats = output_stats(floating_tensors(output))
             if stats is not None:
                 self._stats.setdefault(index, []).append(stats)

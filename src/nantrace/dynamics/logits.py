@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..loss_tape import untaped
 from ._common import SafeMonitor, is_sampled
 from ._readback import DeferredRead
 from .base import Signal, StepContext
@@ -131,7 +132,7 @@ class LogitSaturationMonitor(SafeMonitor):
         try:
             logits = find_logits(output)
             if logits is not None:
-                with torch.no_grad():
+                with untaped(), torch.no_grad():  # runs after the guard's own hook has resumed the loss tape
                     self._captured = (logit_stats(logits), int(logits.shape[-1]))
         except Exception as exc:  # noqa: BLE001 - never break the user's forward
             self._fail(exc)
