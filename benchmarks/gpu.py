@@ -64,6 +64,25 @@ GPT2_SMALL = {"vocab": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "ma
 TINY = {"vocab": 128, "d_model": 32, "n_layers": 2, "n_heads": 2, "max_len": 16, "batch": 2}
 
 
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+               device: torch.device, dtype: torch.dtype = torch.bfloat16,
+               scaler: torch.amp.GradScaler | None = None) -> None:
+    """One language-model step under autocast: the loop every GPU benchmark here times (gpu.py,
+    gpu_memory.py, gpu_profile.py)."""
+    x, y = batch
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=dtype):
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+
+
 class Cell:
     """One tool's copy of the model, optimizer, scaler and (for nantrace) guard."""
 
@@ -89,21 +108,10 @@ class Cell:
         self.peak = 0
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        x, y = batch
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         anomaly = torch.autograd.detect_anomaly(check_nan=True) if self.tool == "detect_anomaly" else contextlib.nullcontext()
         with anomaly:
-            self.opt.zero_grad(set_to_none=True)
-            with torch.autocast(self.device.type, dtype=dtype):
-                logits = self.run(x)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-                self.scaler.step(self.opt)
-                self.scaler.update()
-            else:
-                loss.backward()
-                self.opt.step()
+            train_step(self.run, self.opt, batch, self.device, dtype, self.scaler)
 
     def block(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Time per step of a block of steps, synchronised only at its end."""

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu import GPT2_SMALL, TINY, _build  # noqa: E402
+from gpu import GPT2_SMALL, TINY, _build, train_step  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "plain": None,
@@ -65,13 +64,7 @@ def _variant(name: str, shape: dict[str, int], device_name: str, steps: int, out
         if i == 1 and device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
-        x, y = batches[i % len(batches)]
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-        loss.backward()
-        opt.step()
+        train_step(model, opt, batches[i % len(batches)], device)
     if device.type == "cuda":
         torch.cuda.synchronize()
     out.put((name, _peak(device)))

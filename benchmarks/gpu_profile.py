@@ -21,23 +21,16 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu import GPT2_SMALL, TINY, _build  # noqa: E402
+from gpu import GPT2_SMALL, TINY, _build, train_step  # noqa: E402
 
 
 def _steps(model, opt, batches, n: int, device: torch.device) -> float:
     t0 = time.perf_counter()
     for i in range(n):
-        x, y = batches[i % len(batches)]
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-        loss.backward()
-        opt.step()
+        train_step(model, opt, batches[i % len(batches)], device)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n
