@@ -437,3 +437,45 @@ def test_a_pending_step_holds_no_model_output_nor_its_gradient():
     assert any(isinstance(a, OutputRef) for e in decode_tape(data).entries for a in e.args)
     guard.close()
     assert guard.incidents == []
+
+
+class TinyVAE(nn.Module):
+    """An encoder to (mu, logvar), a decoder: three outputs the loss code reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 8)
+        self.dec = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mu, logvar = self.enc(x).chunk(2, dim=-1)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+        return self.dec(z), mu, logvar
+
+
+def _vae_run(sync_free: bool) -> list[tuple]:
+    torch.manual_seed(0)
+    model = TinyVAE()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False},
+                                                              detection={"sync_free": sync_free}))
+    gen = torch.Generator().manual_seed(1)
+    for step in range(12):
+        x = torch.randn(16, 8, generator=gen)
+        opt.zero_grad()
+        recon, mu, logvar = model(x)
+        if step == 7:
+            logvar = logvar * 1e4  # an encoder blow-up: exp(logvar) overflows in the KL term
+        kl = -0.5 * torch.mean(1 + logvar - mu.pow(2) - logvar.exp())
+        (F.mse_loss(recon, x) + kl).backward()
+        opt.step()
+    guard.close()
+    return [(i.step, i.kind, i.cause, i.op, i.module, i.action) for i in guard.incidents]
+
+
+def test_a_step_decided_late_replays_a_loss_code_that_reads_several_model_outputs():
+    """Written after the pending tape started naming outputs by position: a VAE's loss code reads
+    the model's second and third outputs; decided one step late, the diagnosis is the synchronous one."""
+    sync = _vae_run(False)
+    assert sync[:1] == [(7, "nonfinite_loss", "exp_overflow", "aten.exp.default", None, "skipped")]
+    assert _vae_run(True) == sync
