@@ -53,7 +53,11 @@ def minimal() -> nantrace.Config:
                                   outputs={"print_incidents": False})
 
 
-def test_one_foreach_norm_covers_gradients_and_parameters(monkeypatch, minimal, one_thread):
+@pytest.mark.parametrize("every, per_step", [
+    (1, lambda n: [2 * n, 2]),   # every gradient and parameter in one call, then both totals in one
+    (16, lambda n: [n, 1]),      # parameters known finite from their provenance: the gradients and their total
+])
+def test_one_foreach_norm_covers_gradients_and_parameters(monkeypatch, minimal, one_thread, every, per_step):
     model, opt = _model()
     n = len(list(model.parameters()))
     calls: list[int] = []
@@ -64,12 +68,13 @@ def test_one_foreach_norm_covers_gradients_and_parameters(monkeypatch, minimal, 
         return real(tensors, *args, **kwargs)
 
     x, y = torch.randn(4, 8), torch.randn(4, 2)
-    with nantrace.watch(model, opt, config=minimal):
+    config = minimal.replace(detection={"param_check_every": every})
+    with nantrace.watch(model, opt, config=config):
         _step(model, opt, x, y)  # warm-up: the buffer plan learns, the optimizer makes its state
         monkeypatch.setattr(torch, "_foreach_norm", counting)
         for _ in range(3):
             _step(model, opt, x, y)
-    assert calls == [2 * n, 2] * 3  # per step: every gradient and parameter in one call, then both totals in one
+    assert calls == per_step(n) * 3
 
 
 def test_a_healthy_step_reuses_one_gradient_index(monkeypatch, minimal, one_thread):

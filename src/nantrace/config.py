@@ -43,7 +43,7 @@ _PRESET_VALUES: dict[str, dict[str, dict[str, Any]]] = {
     },
     "thorough": {
         "outputs": dict(flight_recorder=128),
-        "detection": dict(spike_window=256),
+        "detection": dict(spike_window=256, param_check_every=1),
         "dynamics": dict(layer_stats_every=1, update_stats_every=1, activation_stats_every=1, optimizer_stats_every=1,
                          logit_stats_every=1),
     },

@@ -25,12 +25,14 @@ import torch
 
 from .capture import StepCapture, floating_tensors
 from .detection.divergence import DivergenceDetector
+from .detection.param_provenance import ParamProvenance
 from .detection.sentinel import StagedHealth, StepHealth, finish, nonfinite_tensors, read, stage
 from .detection.spikes import RobustSpikeDetector
 from .diagnosis.triage import Finding, triage
 from .distributed import Agreement, StepRound, agree, combine_shards
 from .incident import Incident
 from .response.policies import action_for
+from .response.update_bounds import update_folds_params
 from .taxonomy import Action, is_finite_trouble
 from .watched import Watched
 
@@ -55,6 +57,10 @@ class Decision:
     """The gradients set aside while a blocked update runs; put back after it."""
     agreement: Agreement | None = None
     """What the ranks agreed on (``None`` on one process): the same on every rank."""
+    param_bound: float | None = None
+    """An upper bound of every parameter element before the update (the update's proof uses it):
+    the measured norm, or the bound carried by :class:`~nantrace.detection.param_provenance.ParamProvenance`
+    on steps whose check did not read every parameter (``health.param_norm`` is ``None`` there)."""
 
 
 class StepJudge:
@@ -69,9 +75,19 @@ class StepJudge:
         self.divergence = DivergenceDetector(min_steps=det.divergence_steps, min_factor=det.divergence_factor)
         self.last_applied: int | None = None
         """The last step whose update landed."""
+        self._unmarked_since: int | None = None
+        """This step: the last full read of the parameters, when a non-finite one was found that no
+        mark announced (for the diagnosis' wording); ``None`` otherwise."""
         self._full_index: list[int] = []
         """``[0, 1, ..., n - 1]`` for the watched parameters: the gradient index of a step where every
         parameter has a gradient, made once and handed out again (never mutated by its readers)."""
+        opt = watched.optimizer
+        self.provenance = ParamProvenance(
+            watched.params, every=det.param_check_every,
+            usable=(det.check_params and det.check_updates and opt is not None and not watched.sharded
+                    and not update_folds_params(opt)))
+        """Which parameters each check reads (all of them every ``param_check_every`` steps; between,
+        only those written outside the optimizer: :mod:`~nantrace.detection.param_provenance`)."""
 
     def gradients(self, params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
         """The step's gradients and their parameters' indices (:func:`gradients`, its index list cached)."""
@@ -95,9 +111,11 @@ class StepJudge:
         cfg = watched.config.detection
         scaler = watched.scaler
         grads, grad_index = self.gradients(watched.params)
+        which = self.provenance.plan() if cfg.check_params else None
+        params = watched.params if which is None else [watched.params[i] for i in which]
         staged = stage(
             grads=grads,
-            params=watched.params if cfg.check_params else [],
+            params=params if cfg.check_params else [],
             losses=capture.losses or [c.loss for c in capture.calls if c.loss is not None],
             inputs_ok=capture.inputs_flag,
             outputs_ok=capture.outputs_flag,
@@ -110,16 +128,20 @@ class StepJudge:
         ranks = StepRound(watched, self, staged, grad_index) if watched.world_size > 1 else None  # on the device
         local, shared = read(staged, ranks.vector if ranks is not None else None)  # the step's one host read
         return self.conclude(watched, capture, staged, local, shared, ranks, grads, grad_index, via_scaler=via_scaler,
-                             loaded_state=loaded_state, lrs=lrs, history=history)
+                             loaded_state=loaded_state, lrs=lrs, history=history,
+                             read_params=which, track_params=cfg.check_params)
 
     def conclude(self, watched: Watched, capture: StepCapture, staged: StagedHealth, local: list[float], shared: Any,
                  ranks: StepRound | None, grads: list[torch.Tensor], grad_index: list[int], *, via_scaler: bool,
                  loaded_state: Callable[[bool], Finding | None], lrs: list[float],
-                 history: Sequence[dict[str, Any]]) -> Decision:
+                 history: Sequence[dict[str, Any]], read_params: list[int] | None = None,
+                 track_params: bool = False) -> Decision:
         """The decision from the step's figures as read on the host (``local``, and the agreement
         vector ``shared`` of ``ranks``): triage, agreement across ranks, the incident. Called right
         after the read, or one step later in sync-free mode (``grads`` empty then: the gradients
-        of that step are gone; the per-tensor norms name the non-finite ones)."""
+        of that step are gone; the per-tensor norms name the non-finite ones). ``read_params``: the
+        parameters the check read when it did not read them all (their indices); ``track_params``: the
+        figures are this step's own, read before its update (not a step the device decided earlier)."""
         cfg = watched.config.detection
         device = staged.vector.device
         health = finish(staged, local)
@@ -127,6 +149,7 @@ class StepJudge:
             ranks.settle(health, shared)
             if ranks.fallback and watched.sharded:  # rare path: a non-finite global norm, combined from exact figures
                 combine_shards(health, grad_index=grad_index, n_params=len(watched.params), device=device)
+        param_bound = self._params_known(watched, health, read_params) if track_params else health.param_norm
         finding = loaded_state(health.params_finite) or triage(
             health,
             step=watched.step,
@@ -134,6 +157,7 @@ class StepJudge:
             loss_spikes=self.loss_spikes if cfg.detect_loss_spikes else None,
             grad_spikes=self.grad_spikes if cfg.detect_grad_explosion else None,
             last_applied=self.last_applied,
+            params_read=self._unmarked_since,
             divergence=self.divergence if cfg.detect_divergence else None,
             lr=next(iter(lrs), None),
         )
@@ -156,7 +180,36 @@ class StepJudge:
                         origin = f"The anomaly is rank {incident.rank}'s own (its loss); this rank did not see it. "
                     incident.summary = origin + incident.summary
         return Decision(health, incident, block=incident is not None and incident.action != Action.LOGGED,
-                        scaler_skip=scaler_skip, grad_index=grad_index, agreement=agreement)
+                        scaler_skip=scaler_skip, grad_index=grad_index, agreement=agreement, param_bound=param_bound)
+
+    def _params_known(self, watched: Watched, health: StepHealth, read_params: list[int] | None) -> float | None:
+        """Settle what the step knows of its parameters; returns the bound of their elements for the
+        update's proof. A check that read only some of them (or none) reads them all after all when
+        anything in the step is non-finite, so the triage sees what an every-step read would."""
+        prov = self.provenance
+        self._unmarked_since = None
+        if read_params is not None:
+            troubled = not (health.loss_finite and health.grads_finite and health.params_finite
+                            and health.inputs_finite and health.outputs_finite and health.local_grads_finite)
+            if troubled:
+                norms = param_norms(watched.params)  # the rare path: a second read, only in a troubled step
+                health.param_norms = norms
+                health.param_norm = math.sqrt(math.fsum(n * n for n in norms)) if all(map(math.isfinite, norms)) \
+                    else (math.nan if any(map(math.isnan, norms)) else math.inf)
+                read_params = None
+            else:
+                prov.measured(read_params, health.param_norms, step=watched.step)
+                health.param_norm, health.param_norms = None, []  # not this step's figures: none were read in full
+                return prov.bound
+        if prov.enabled:
+            marked = prov.marked
+            if not health.params_finite and marked is not None and prov.last_read is not None:
+                bad = [i for i, n in enumerate(health.param_norms) if not math.isfinite(n)]
+                if any(i not in marked for i in bad):  # a bad value no mark announced: since when were they known?
+                    self._unmarked_since = prov.last_read
+            prov.measured(None, health.param_norms, step=watched.step)
+            return prov.bound if prov.bound is not None else health.param_norm
+        return health.param_norm
 
     def _agree(self, watched: Watched, health: StepHealth, finding: Finding | None, ranks: StepRound, *,
                via_scaler: bool, device: torch.device) -> tuple[Agreement, Finding | None]:
@@ -240,6 +293,20 @@ def incident_from_finding(watched: Watched, finding: Finding, health: StepHealth
     return new_incident(watched, step=finding.step, kind=finding.kind, phase=finding.phase, module=module,
                         cause=finding.cause, summary=finding.summary, fix=finding.fix, action=action,
                         details=details, history=history)
+
+
+def param_norms(params: Sequence[torch.Tensor]) -> list[float]:
+    """Every parameter's L2 norm accumulated in float64 (exact about finiteness), one host read."""
+    if not params:
+        return []
+    from .detection.sentinel import local
+
+    flat = [local(p.detach()) for p in params]
+    try:
+        norms = torch._foreach_norm(flat, 2, dtype=torch.float64)
+    except (RuntimeError, TypeError):
+        norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in flat]
+    return torch.stack([n.to(flat[0].device) for n in norms]).tolist()
 
 
 def nonfinite_from_norms(names: Sequence[str], norms: Sequence[float]) -> list[dict[str, Any]]:

@@ -290,7 +290,7 @@ class Guard:
                 p.grad = None
             return
         if decision is not None and not decision.scaler_skip and self.update_check is not None:
-            self.update_check.before_update(grad_norm=decision.health.grad_norm, param_norm=decision.health.param_norm)
+            self.update_check.before_update(grad_norm=decision.health.grad_norm, param_norm=decision.param_bound)
         if self.monitors and not (decision is not None and decision.scaler_skip):
             for monitor in self.monitors:
                 monitor.before_update(self.step, params)
@@ -300,12 +300,16 @@ class Guard:
             return
         if self._device_step:  # decided on the device: the host books it at the next step
             self._device_step = False
+            self.judge.provenance.forget()  # an update no host bound covers: the next host check reads every parameter
             assert self.sync_free is not None
             self.sync_free.after_update()
             self._next_step()
             return
         if self._decision is not None and not self._decision.block and self.update_check is not None:
             self._check_update(self._decision)
+            self.judge.provenance.updated(None if self._decision.block else self.update_check.param_bound)
+        elif self._decision is None:
+            self.judge.provenance.forget()  # an update that was not checked (LBFGS' closure steps)
         if self.in_scaler_step:
             return
         decision = self._decision

@@ -25,7 +25,16 @@ class DetectionConfig(SettingsGroup):
     """Check the loss every step (seen through ``backward()``; no change to the loop)."""
 
     check_params: bool = True
-    """Check the parameters that the previous update produced (fused into the step's one check)."""
+    """Check the parameters that the previous update produced (fused into the step's one check,
+    or known finite from their provenance: ``param_check_every``)."""
+
+    param_check_every: int = 16
+    """Read every parameter's norm at least every this many steps (the run store's ``param_norm``
+    and per-layer parameter norms come from these steps). Between them the parameters are known
+    finite from where their values came from: the last read, then only updates proven or checked
+    finite; a parameter written outside the optimizer (``load_state_dict``, an in-place op, a new
+    ``.data``) is read at the next step, and any non-finite value in a step has every parameter
+    read before the diagnosis (``detection/param_provenance.py``). 1: every parameter every step."""
 
     check_updates: bool = True
     """Check the optimizer's own update: an update that makes a parameter or the optimizer state
@@ -104,6 +113,7 @@ class DetectionConfig(SettingsGroup):
         check_int(self, "spike_warmup", minimum=24)
         check_int(self, "scaler_max_skips", minimum=1)
         check_int(self, "divergence_steps", minimum=2)
+        check_int(self, "param_check_every", minimum=1)
         if self.spike_warmup > self.spike_window:
             raise ValueError(f"Config.detection.spike_warmup ({self.spike_warmup}) must not exceed "
                              f"Config.detection.spike_window ({self.spike_window})")

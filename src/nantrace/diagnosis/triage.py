@@ -42,14 +42,18 @@ def triage(
     last_applied: int | None,
     divergence: DivergenceDetector | None = None,
     lr: float | None = None,
+    params_read: int | None = None,
 ) -> Finding | None:
     """Classify the step; ``None`` when it is healthy (or a normal GradScaler calibration skip).
 
     ``divergence`` judges the growth rate of loss and gradient norm from the first step (``lr``,
     the first param group's learning rate, is its evidence); it sees every step, finite or not.
+    ``params_read``: the last step whose check read every parameter finite, where the checks in
+    between knew them finite from their provenance (``None``: every check reads them).
     """
     diverging = divergence.update(step, health.loss, health.grad_norm, lr) if divergence is not None else None
-    finding = _nonfinite(health, step=step, scaler_active=scaler_active, last_applied=last_applied)
+    finding = _nonfinite(health, step=step, scaler_active=scaler_active, last_applied=last_applied,
+                         params_read=params_read)
     if finding is not None:
         evidence = divergence.evidence() if divergence is not None else None
         if evidence is not None and finding.kind != "nonfinite_param":
@@ -92,18 +96,26 @@ def _divergence_finding(d: Divergence, step: int) -> Finding:
     return Finding(step, d.kind, phase, d.cause, None, d.summary(step), d.fix(), details=details)
 
 
-def _nonfinite(health: StepHealth, *, step: int, scaler_active: bool, last_applied: int | None) -> Finding | None:
+def _nonfinite(health: StepHealth, *, step: int, scaler_active: bool, last_applied: int | None,
+               params_read: int | None = None) -> Finding | None:
     """The finding for a step whose sentinel figures hold a non-finite value (``None`` otherwise)."""
     if not health.params_finite:
         # An update that makes parameters non-finite is caught and undone at its own step
         # (response/update_check.py): parameters that are non-finite here were made so between
         # steps (a checkpoint loaded mid-run, an in-place write) or before training.
-        detail = "" if last_applied is None else (
-            f"the update of step {last_applied} left it finite, so it changed between steps: a checkpoint "
-            "loaded mid-run or an in-place write")
+        details: dict[str, Any] = {"last_update": last_applied} if last_applied is not None else {}
+        if last_applied is None:
+            detail = ""
+        elif params_read is None or params_read >= last_applied:
+            detail = (f"the update of step {last_applied} left it finite, so it changed between steps: a checkpoint "
+                      "loaded mid-run or an in-place write")
+        else:
+            details["params_last_read"] = params_read
+            detail = (f"every parameter was read finite at step {params_read} and each update since was proven "
+                      "finite, so it changed between steps, by a write that leaves no mark on the tensor (an in-place "
+                      "op through .data, a fused kernel outside the optimizer) or a checkpoint loaded into it")
         summary, fix = explain("nonfinite_param", detail=detail)
-        return Finding(step, "nonfinite_param", None, "nonfinite_param", None, summary, fix,
-                       details={"last_update": last_applied} if last_applied is not None else {})
+        return Finding(step, "nonfinite_param", None, "nonfinite_param", None, summary, fix, details=details)
     if not health.inputs_finite:
         summary, fix = explain("nonfinite_input", detail="in the tensors passed to the model's forward")
         return Finding(step, "nonfinite_input", "data", "nonfinite_input", None, summary, fix)

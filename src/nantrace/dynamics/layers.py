@@ -108,6 +108,10 @@ class LayerStatsMonitor(SafeMonitor):
         self._params: list[torch.Tensor] = []
         self._before: list[torch.Tensor] | None = None
         self._pending: _PendingUpdate | None = None
+        self._last_param: np.ndarray | None = None
+        """The per-layer parameter norms of the last step that read them all: between such steps
+        (``DetectionConfig.param_check_every``) the early warnings' ‖g‖/‖θ‖ divides by these (the
+        weights move by a small fraction per step); the rows of those steps leave them out."""
 
     def _attach(self, watched: "Watched") -> None:
         self._params = watched.params
@@ -141,7 +145,8 @@ class LayerStatsMonitor(SafeMonitor):
             self._write(figures)
         if (self.warnings is not None and is_sampled(ctx.step, self.every) and ctx.applied
                 and ctx.health.grads_finite and ctx.health.loss_finite):
-            signals += self.warnings.observe_norms(ctx.step, figures.grad_norm, figures.param_norm)
+            param = figures.param_norm if figures.param_present.all() or self._last_param is None else self._last_param
+            signals += self.warnings.observe_norms(ctx.step, figures.grad_norm, param)
         return signals
 
     def _figures(self, ctx: StepContext) -> LayerFigures:
@@ -151,14 +156,15 @@ class LayerStatsMonitor(SafeMonitor):
         if len(health.param_norms) == len(self.index.layer_of):
             param = self.index.combine(health.param_norms)
             param_present = np.ones(len(self.index), dtype=bool)
-        else:  # parameters not checked (Config.check_params=False): no free parameter norms
+            self._last_param = param
+        else:  # not read this step (param_check_every), or not checked at all (check_params=False)
             param = np.full(len(self.index), np.nan)
             param_present = np.zeros(len(self.index), dtype=bool)
         return LayerFigures(ctx.step, grad, param, grad_present, param_present)
 
     def _start_update(self, figures: LayerFigures, before: list[torch.Tensor]) -> _PendingUpdate:
         params = [local(p.detach()) for p in self._params]
-        extra = [] if figures.param_present.all() else safe_norms(params)
+        extra = [] if figures.param_present.all() else safe_norms(before)  # the step's own (pre-update) norms
         diff = update_norms(before, params)
         del before
         device = params[0].device

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StateBound", "next_state_bound", "update_risk"]
+__all__ = ["StateBound", "next_state_bound", "param_bound_after", "update_folds_params", "update_risk"]
 
 _MARGIN = 16.0
 """Bounds must stay below ``finfo.max / _MARGIN``: room for the rounding of every op of the update."""
@@ -93,6 +93,39 @@ def update_risk(optimizer: torch.optim.Optimizer, group: dict[str, Any], *, grad
     ``grad`` and ``param`` bound every gradient and parameter element of this step (the global
     L2 norms), ``state`` every optimizer-state element (:class:`StateBound`).
     """
+    found = _analyse(optimizer, group, grad=grad, param=param, state=state)
+    return found if isinstance(found, str) else None
+
+
+def param_bound_after(optimizer: torch.optim.Optimizer, group: dict[str, Any], *, grad: float | None,
+                      param: float | None, state: float | None) -> float | None:
+    """An upper bound of every parameter element of ``group`` after its update, from the same interval
+    arithmetic as :func:`update_risk` (``None`` when the update is not proven): what lets the next step
+    trust its parameters without reading them (:mod:`nantrace.detection.param_provenance`)."""
+    found = _analyse(optimizer, group, grad=grad, param=param, state=state)
+    return None if isinstance(found, str) else found
+
+
+def update_folds_params(optimizer: torch.optim.Optimizer) -> bool:
+    """The update adds ``wd · θ`` to the gradient (L2 weight decay of SGD, or of Adam without decoupling).
+
+    Then the update reads every parameter's value into the optimizer state, which a parameter bound
+    carried from step to step (instead of read) cannot stand for: Adam's state bound, which its step
+    bound divides by ``eps``, would grow by ``lr · wd / ((1 - β1) · eps)`` per step, and a non-finite
+    value written where the step's figures do not show it (through ``.data``, behind a saturated
+    tanh) would turn the momentum or moments non-finite before any check saw it. Decoupled decay
+    (AdamW) shrinks the parameter in place and leaves the state alone."""
+    kind = type(optimizer)
+    if kind not in _ADAM and kind is not torch.optim.SGD:
+        return False
+    adamw = kind is torch.optim.AdamW
+    return any(not (adamw or g.get("decoupled_weight_decay")) and (_number(g.get("weight_decay", 0.0)) or 0.0) != 0.0
+               for g in optimizer.param_groups)
+
+
+def _analyse(optimizer: torch.optim.Optimizer, group: dict[str, Any], *, grad: float | None,
+             param: float | None, state: float | None) -> str | float:
+    """Why the update might not be finite (a sentence), or the bound of the parameters after it."""
     kind = type(optimizer)
     if kind not in _ADAM and kind is not torch.optim.SGD:
         return f"{kind.__name__}'s update rule is not one nantrace can bound"
@@ -118,7 +151,8 @@ def update_risk(optimizer: torch.optim.Optimizer, group: dict[str, Any], *, grad
         g = grad + (0.0 if group.get("decoupled_weight_decay") or kind is torch.optim.AdamW else wd * param)
         b = max(state, g)                       # |m| and sqrt(v), before and after the update
         step = lr * b / ((1.0 - b1) * eps)      # |lr · m̂ / (sqrt(v̂) + eps)|
-        worst = max(b * b, step + param * (1.0 + lr * wd))
+        after = step + param * (1.0 + lr * wd)
+        worst = max(b * b, after)
     else:
         mu, damp = _number(group.get("momentum", 0.0)), _number(group.get("dampening", 0.0))
         if mu is None or damp is None or not (0.0 <= mu < 1.0) or not math.isfinite(damp):
@@ -126,10 +160,11 @@ def update_risk(optimizer: torch.optim.Optimizer, group: dict[str, Any], *, grad
         g = grad + wd * param
         buf = mu * state + max(1.0, abs(1.0 - damp)) * g  # the first step copies g undamped
         direction = (g + mu * buf) if group.get("nesterov") else (buf if mu else g)
-        worst = max(buf, param + lr * direction)
+        after = param + lr * direction
+        worst = max(buf, after)
     if not worst <= limit:
         return f"the update's bound ({worst:.3g}) comes near the largest {str(dtype).removeprefix('torch.')}"
-    return None
+    return after
 
 
 def next_state_bound(optimizer: torch.optim.Optimizer, group: dict[str, Any], *, grad: float, param: float,

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .update_bounds import StateBound, next_state_bound, update_risk
+from .update_bounds import StateBound, next_state_bound, param_bound_after, update_risk
 
 __all__ = ["UpdateCheck", "UpdateFailure"]
 
@@ -115,6 +115,12 @@ class UpdateCheck:
         False when it was undone, None before any update (or when checking is off)."""
         self.last_reasons: list[str] = []
         """Why the last update was checked (empty: every group was proven)."""
+        self.param_bound: float | None = None
+        """An upper bound of every parameter element right after the last update (the proven groups'
+        interval bound, the checked groups' measured norms, the bound given for the parameters the
+        update did not touch); ``None`` when unknown (no update yet, an undone one, checking off)."""
+        self._param_in: float | None = None
+        self._param_after = 0.0
         self._handle = optimizer.register_load_state_dict_post_hook(self._state_loaded) if enabled else None
 
     # ------------------------------------------------------------------ before
@@ -124,13 +130,16 @@ class UpdateCheck:
         if not self.enabled:
             return
         self._saved, self._sources, self._proven, self._reasons = [], [], [], []
+        self.param_bound, self._param_in, self._param_after = None, param_norm, 0.0
         state_bound = self.bound.value
         for group in self.optimizer.param_groups:
-            reason = update_risk(self.optimizer, group, grad=grad_norm, param=param_norm, state=state_bound)
-            if reason is None:
+            after = param_bound_after(self.optimizer, group, grad=grad_norm, param=param_norm, state=state_bound)
+            if after is not None:
                 self._proven.append((group, grad_norm or 0.0, param_norm or 0.0))
+                self._param_after = max(self._param_after, after)
                 continue
-            self._reasons.append(reason)
+            reason = update_risk(self.optimizer, group, grad=grad_norm, param=param_norm, state=state_bound)
+            self._reasons.append(reason or "the update could not be bounded")
             for p in group["params"]:
                 self._save(p)
         pool, self._pool = self._pool, {}  # only this step's buffers stay (none when all is proven)
@@ -160,9 +169,13 @@ class UpdateCheck:
         if not self.enabled or grad is None or param is None:
             return
         state_bound = self.bound.value
+        after = param
         for group in self.optimizer.param_groups:
+            bound = param_bound_after(self.optimizer, group, grad=grad, param=param, state=state_bound)
+            after = max(after, bound if bound is not None else math.inf)
             state_bound = next_state_bound(self.optimizer, group, grad=grad, param=param, state=state_bound or 0.0)
         self.bound.value = state_bound
+        self.param_bound = after if math.isfinite(after) else None
         self.finite_after_update = True
 
     def _save(self, p: torch.Tensor) -> None:
@@ -196,9 +209,11 @@ class UpdateCheck:
         state_bound = self.bound.value
         for group, grad, param in self._proven:
             state_bound = next_state_bound(self.optimizer, group, grad=grad, param=param, state=state_bound or 0.0)
+        untouched = self._param_in if self._param_in is not None and math.isfinite(self._param_in) else None
         if not self._saved:
             self.bound.value = state_bound
             self.finite_after_update = True
+            self.param_bound = None if untouched is None else max(untouched, self._param_after)
             return None
         params = [s.param.detach() for s in self._saved]
         state = [(s, key, t.detach()) for s in self._saved for key, t in self.optimizer.state.get(s.param, {}).items()
@@ -207,6 +222,7 @@ class UpdateCheck:
         bad = [not math.isfinite(n) and not _finite(t) for n, t in zip(norms, params + [t for _, _, t in state])]
         if not any(bad):
             self.finite_after_update = True
+            self.param_bound = None if untouched is None else max([untouched, self._param_after, *norms[:len(params)]])
             measured = [n for n, (_, _, t) in zip(norms[len(params):], state) if t.dim() > 0]
             self.bound.from_norms(measured)
             if state_bound is not None and self.bound.value is not None:
