@@ -63,25 +63,26 @@ def eps_problem(eps: float, dtype: torch.dtype) -> str | None:
 
 
 def tensor_state_stats(m: torch.Tensor, v: torch.Tensor, threshold: float) -> torch.Tensor:
-    """``[‖m‖, ‖v‖, min v, #entries with m != 0 and v < threshold, #non-finite entries of m and v]``
-    for one tensor's state, on its device.
+    """``[‖m‖, ‖v‖, min v, #entries with m != 0 and v < threshold, non-finite]`` for one tensor's
+    state, on its device (five figures, one pass per figure, no pass per element kind).
 
     ``threshold`` is ``eps² · (1 - β₂ᵗ)``: ``v`` below it means ``sqrt(v̂) < eps``. The norms are
     accumulated in float64: ``exp_avg_sq`` of float32 state holds squares of gradients, and a
-    float32 sum of its squares overflows from entries of ~1e19 on, finite as they are. Whether
-    the state is non-finite is counted on the state itself, never inferred from a norm.
+    float32 sum of its squares overflows from entries of ~1e19 on, finite as they are. For state
+    of float32 or narrower the float64 norms are also exact about finiteness (no finite float32
+    square sum reaches float64's range), so the last figure, 1.0 when ``m`` or ``v`` holds a
+    non-finite value, comes from them; float64 state is counted element by element.
     """
     acc = accumulation_dtype(m.device)
     vf = v.float() if v.dtype in _LOW_PRECISION else v
-    bad = ((m != 0) & (vf < threshold)).sum()
-    nonfinite = (m.numel() - torch.isfinite(m).sum()) + (v.numel() - torch.isfinite(v).sum())
-    return torch.stack([
-        torch.linalg.vector_norm(m, dtype=acc),
-        torch.linalg.vector_norm(v, dtype=acc),
-        v.amin().to(acc),
-        bad.to(acc),
-        nonfinite.to(acc),
-    ])
+    bad = torch.count_nonzero((vf < threshold).logical_and_(m != 0))
+    m_norm = torch.linalg.vector_norm(m, dtype=acc)
+    v_norm = torch.linalg.vector_norm(v, dtype=acc)
+    if acc == torch.float64 and torch.float64 not in (m.dtype, v.dtype):
+        nonfinite = ~torch.isfinite(m_norm + v_norm)
+    else:
+        nonfinite = (m.numel() - torch.isfinite(m).sum()) + (v.numel() - torch.isfinite(v).sum())
+    return torch.stack([m_norm, v_norm, v.amin().to(acc), bad.to(acc), nonfinite.to(acc)])
 
 
 @dataclasses.dataclass
@@ -186,7 +187,7 @@ class OptimizerStateMonitor(SafeMonitor):
         with np.errstate(divide="ignore", invalid="ignore"):
             underflow = self.index.sum(values[:, 3], which) / numel
         present = self.index.present(which)
-        nonfinite = present & (self.index.sum(values[:, 4], which) > 0)  # counted on the state, not from a norm
+        nonfinite = present & (self.index.sum(values[:, 4], which) > 0)  # exact: see tensor_state_stats
         self.latest = AdamFigures(step, m_norm, v_min, np.where(present, underflow, np.nan), nonfinite, present)
         if not self.warn:
             return []

@@ -22,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ _MARGIN = 16.0
 
 _ADAM = (torch.optim.Adam, torch.optim.AdamW)
 _SAFE_DTYPES = (torch.float32, torch.float64)
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
 
 
 class StateBound:
@@ -77,11 +80,12 @@ def _number(x: Any) -> float | None:
 
 
 def _dtype_problem(group: dict[str, Any]) -> tuple[str | None, torch.dtype]:
-    dtypes = {p.dtype for p in group["params"]}
-    bad = [d for d in dtypes if d not in _SAFE_DTYPES]
+    params = group["params"]
+    dtypes = set(map(_DTYPE, params))  # C-level scans: this runs before every update
+    bad = [d for d in dtypes if d not in _SAFE_DTYPES]  # complex dtypes are not safe either
     if bad:
         return f"{str(bad[0]).removeprefix('torch.')} parameters and state", bad[0]
-    if any(p.is_sparse or p.is_complex() for p in group["params"]):
+    if set(map(_LAYOUT, params)) - {torch.strided}:
         return "sparse or complex parameters", torch.float32
     return None, min(dtypes, key=lambda d: torch.finfo(d).max) if dtypes else torch.float32
 
