@@ -655,6 +655,10 @@ def test_the_stored_parameter_norm_is_there_on_the_full_reads_and_exact(tmp_path
     for r in rows:
         if r["param_norm"] is not None:
             assert r["param_norm"] == pytest.approx(reference[r["step"]], rel=1e-5)
+    # what a trainer's logger gets: the last read norm and the step it was read at
+    last = run["guard"].last_step
+    assert (last["step"], last["param_norm_step"]) == (STEPS - 1, 32)
+    assert last["param_norm"] == pytest.approx(reference[32], rel=1e-5)
 
 
 # ---------------------------------------------------------------------------- more programs
@@ -724,6 +728,10 @@ def test_a_nonfinite_batch_reads_every_parameter_and_restarts_the_cadence(tmp_pa
     for r in rows:
         if r["param_norm"] is not None:
             assert r["param_norm"] == pytest.approx(reference[r["step"]], rel=1e-5)
+    # what a trainer's logger gets: the last read norm and the step it was read at
+    last = run["guard"].last_step
+    assert (last["step"], last["param_norm_step"]) == (STEPS - 1, 32)
+    assert last["param_norm"] == pytest.approx(reference[32], rel=1e-5)
 
 
 def test_a_grad_scaler_run_is_unchanged(tmp_path):

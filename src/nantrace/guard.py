@@ -129,6 +129,8 @@ class Guard:
         self.in_scaler_step = False
         """``scaler.step(optimizer)`` is running: the optimizer's own hooks leave the step to the scaler's."""
         self._last_row: dict[str, Any] | None = None
+        self._param_read: tuple[float, int] | None = None
+        """The last read parameter norm and its step (``last_step`` gives it to loggers)."""
         self.monitors: list[Monitor] = []
         self.recorder = StepRecorder(self.watched, on_exception=self.note_exception)
         """Step capture: the model's forwards, the loss code's tape and the loss of the step in progress."""
@@ -507,6 +509,8 @@ class Guard:
         row = {"step": self.step, "loss": health.loss, "grad_norm": health.grad_norm, "param_norm": health.param_norm,
                "scale": health.scale, "skipped": skipped, "action": action}
         self._last_row = row
+        if health.param_norm is not None:
+            self._param_read = (health.param_norm, self.step)
         history = self.reporter.history
         if history.maxlen:
             history.append(row)
@@ -575,12 +579,17 @@ class Guard:
     def last_step(self) -> dict[str, Any] | None:
         """Health figures of the last finished step (step, loss, grad_norm, param_norm, scale,
         skipped, action), e.g. for logging to a trainer's logger; ``None`` before the first step.
+        ``param_norm`` is the last one read (every parameter is read every
+        ``Config.detection.param_check_every`` steps) and ``param_norm_step`` the step it was read at.
         In sync-free mode asking reads the step the device decided last (a logged value is a
         natural read): its incident is reported now, a stopping action raises at the next step."""
         if self.sync_free is not None and not self.closed:
             self.settle_device_step(stop=False)
         history = self.reporter.history
-        return dict(history[-1]) if history else self._last_row
+        row = dict(history[-1]) if history else (dict(self._last_row) if self._last_row is not None else None)
+        if row is not None and self._param_read is not None:
+            row["param_norm"], row["param_norm_step"] = self._param_read
+        return row
 
     # ------------------------------------------------------------ tear-down
     def close(self) -> None:

@@ -70,6 +70,9 @@ class GrowthTracker:
         self._past: deque[tuple[int, float]] = deque(maxlen=history)
         """Healthy (step, value) pairs before the current run, for the new-high and noise tests."""
         self._run: list[tuple[int, float]] = []
+        self._sums = _LogSums()
+        """Running sums of the run's log-values: its fit costs the same at its 5th value and its 500th
+        (a smooth series, e.g. a gradient norm rising through a long warm-up, makes long runs)."""
         self._flagged_from: float | None = None
         """While diverged: the value the flagged growth started from."""
 
@@ -97,15 +100,16 @@ class GrowthTracker:
             return None
         if self._flagged_from is not None:
             if value >= self._flagged_from * math.sqrt(self.min_factor):
-                self._run.append((step, value))
+                self._extend(step, value)
                 return self._growth()
             self._flagged_from = None  # back near its level: the episode is over, judge afresh
-            self._run.clear()
+            self._run = []
+            self._sums = _LogSums()
         if self._run and value > self._run[-1][1]:
-            self._run.append((step, value))
+            self._extend(step, value)
         else:
             self._end_run()
-            self._run = [(step, value)]
+            self._extend(step, value)
         growth = self._judge()
         if growth is not None:
             self._flagged_from = growth.start_value
@@ -137,13 +141,26 @@ class GrowthTracker:
         if sigma is not None:
             lows.append(v0 * math.exp(_NOISE_Z * sigma * math.sqrt(k)))
         low = math.log(max(lows))
-        return [(math.exp(max(a, low)), math.exp(b)) for a, b in _r2_intervals([math.log(v) for _, v in run])
-                if b >= low]
+        return [(math.exp(max(a, low)), math.exp(b)) for a, b in self._sums.r2_intervals() if b >= low]
+
+    def _extend(self, step: int, value: float) -> None:
+        self._run.append((step, value))
+        self._sums.add(math.log(value))
 
     def _end_run(self) -> None:
         if self._flagged_from is None:
             self._past.extend(self._run)
         self._run = []
+        self._sums = _LogSums()
+
+    def recent(self, k: int) -> tuple[list[float], int]:
+        """The last ``k`` values of the past and the current run, oldest first, and how many there are
+        in all (without copying the whole history)."""
+        out = [v for _, v in self._run[-k:]]
+        if len(out) < k and self._past:
+            take = min(k - len(out), len(self._past))
+            out = [self._past[-i][1] for i in range(take, 0, -1)] + out
+        return out, len(self._past) + len(self._run)
 
     def _judge(self) -> Growth | None:
         run = self._run
@@ -163,8 +180,7 @@ class GrowthTracker:
 
     def _growth(self) -> Growth:
         run = self._run
-        logs = [math.log(v) for _, v in run]
-        slope, r2 = _fit(logs)
+        slope, r2 = self._sums.fit()
         return Growth(series=self.series, since_step=run[0][0], steps=len(run) - 1, start_value=run[0][1],
                       value=run[-1][1], factor=run[-1][1] / run[0][1], per_step=math.exp(slope), r2=r2)
 
@@ -184,50 +200,71 @@ class GrowthTracker:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self._past = deque((tuple(p) for p in state["past"]), maxlen=self._past.maxlen)  # type: ignore[misc, union-attr]
-        self._run = [tuple(p) for p in state["run"]]  # type: ignore[misc, union-attr]
+        self._run = []
+        self._sums = _LogSums()
+        for step, value in state["run"]:  # type: ignore[union-attr]
+            self._extend(step, value)
         self._flagged_from = state["flagged_from"]  # type: ignore[assignment]
 
 
-def _r2_intervals(ys: list[float]) -> list[tuple[float, float]]:
-    """The values ``y`` for which ``_fit(ys + [y])`` has R² >= ``_MIN_R2``, as intervals.
+class _LogSums:
+    """Σy, Σy², Σi·y over a run's log-values y_i (i = 0, 1, ...), kept relative to the first one (the
+    fit is shift-invariant; the shift keeps the sums small): the least-squares fit and its R² in O(1)."""
 
-    With ``n = len(ys) + 1`` points at 0..n-1: ``sxy = A + b·y`` and
-    ``syy = Q + y² - (S + y)²/n``; R² >= c is ``sxy² - c·sxx·syy >= 0``, a quadratic in ``y``.
-    """
-    n = len(ys) + 1
-    mx = (n - 1) / 2
-    sxx = sum((i - mx) ** 2 for i in range(n))
-    a_lin = sum((i - mx) * y for i, y in enumerate(ys))
-    b = (n - 1) - mx
-    s, q = sum(ys), sum(y * y for y in ys)
-    c = _MIN_R2 * sxx
-    a2 = b * b - c * (1 - 1 / n)
-    a1 = 2 * a_lin * b + c * 2 * s / n
-    a0 = a_lin * a_lin - c * (q - s * s / n)
-    inf = math.inf
-    if a2 == 0:
-        if a1 == 0:
-            return [(-inf, inf)] if a0 >= 0 else []
-        root = -a0 / a1
-        return [(root, inf)] if a1 > 0 else [(-inf, root)]
-    disc = a1 * a1 - 4 * a2 * a0
-    if disc < 0:
-        return [(-inf, inf)] if a2 > 0 else []
-    r1, r2 = sorted(((-a1 - math.sqrt(disc)) / (2 * a2), (-a1 + math.sqrt(disc)) / (2 * a2)))
-    return [(-inf, r1), (r2, inf)] if a2 > 0 else [(r1, r2)]
+    __slots__ = ("n", "origin", "s", "q", "si")
 
+    def __init__(self) -> None:
+        self.n = 0
+        self.origin = 0.0
+        self.s = self.q = self.si = 0.0
 
-def _fit(ys: list[float]) -> tuple[float, float]:
-    """Least-squares slope of ``ys`` against 0..n-1, and R²."""
-    n = len(ys)
-    mx = (n - 1) / 2
-    my = sum(ys) / n
-    sxx = sum((i - mx) ** 2 for i in range(n))
-    sxy = sum((i - mx) * (y - my) for i, y in enumerate(ys))
-    syy = sum((y - my) ** 2 for y in ys)
-    slope = sxy / sxx
-    r2 = (sxy * sxy) / (sxx * syy) if syy > 0 else 0.0
-    return slope, r2
+    def add(self, y: float) -> None:
+        if self.n == 0:
+            self.origin = y
+        d = y - self.origin
+        self.s += d
+        self.q += d * d
+        self.si += self.n * d
+        self.n += 1
+
+    def fit(self) -> tuple[float, float]:
+        """Least-squares slope of the values against 0..n-1, and R²."""
+        n = self.n
+        mx = (n - 1) / 2
+        sxx = n * (n * n - 1) / 12
+        sxy = self.si - mx * self.s
+        syy = max(self.q - self.s * self.s / n, 0.0)
+        slope = sxy / sxx
+        r2 = (sxy * sxy) / (sxx * syy) if syy > 0 else 0.0
+        return slope, r2
+
+    def r2_intervals(self) -> list[tuple[float, float]]:
+        """The values ``y`` for which one more value ``y`` gives R² >= ``_MIN_R2``, as intervals.
+
+        With ``n = len + 1`` points at 0..n-1: ``sxy = A + b·y`` and ``syy = Q + y² - (S + y)²/n``;
+        R² >= c is ``sxy² - c·sxx·syy >= 0``, a quadratic in ``y`` (solved relative to the origin).
+        """
+        n = self.n + 1
+        mx = (n - 1) / 2
+        sxx = n * (n * n - 1) / 12
+        a_lin = self.si - mx * self.s
+        b = (n - 1) - mx
+        s, q = self.s, self.q
+        c = _MIN_R2 * sxx
+        a2 = b * b - c * (1 - 1 / n)
+        a1 = 2 * a_lin * b + c * 2 * s / n
+        a0 = a_lin * a_lin - c * (q - s * s / n)
+        inf, o = math.inf, self.origin
+        if a2 == 0:
+            if a1 == 0:
+                return [(-inf, inf)] if a0 >= 0 else []
+            root = -a0 / a1 + o
+            return [(root, inf)] if a1 > 0 else [(-inf, root)]
+        disc = a1 * a1 - 4 * a2 * a0
+        if disc < 0:
+            return [(-inf, inf)] if a2 > 0 else []
+        r1, r2 = sorted(((-a1 - math.sqrt(disc)) / (2 * a2) + o, (-a1 + math.sqrt(disc)) / (2 * a2) + o))
+        return [(-inf, r1), (r2, inf)] if a2 > 0 else [(r1, r2)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,13 +432,17 @@ class DivergenceDetector:
     def firing_ranges(self) -> "DivergenceRanges":
         """Where the next :meth:`update` reports a divergence, as bounds on its loss and
         gradient norm (see :class:`DivergenceRanges`), from the state alone."""
-        prior = [v for _, v in self.loss._past] + ([] if self.loss.diverged else [v for _, v in self.loss._run])
+        if self.loss.diverged:  # the history without the diverged run
+            prior = [v for _, v in self.loss._past][-8:]
+            count = len(self.loss._past)
+        else:
+            prior, count = self.loss.recent(8)
         unrecorded = False  # a loss the tracker does not record (None, <= 0): judged on the history as it is
-        if len(prior) >= _NOISE_MIN_DIFFS:
+        if count >= _NOISE_MIN_DIFFS:
             recent = sorted(prior[-8:])
             unrecorded = prior[-1] >= recent[len(recent) // 2]
         # a recorded loss v: v >= upper median of (last 7 ∪ {v}) ⟺ v >= the 4th smallest of the last 7
-        recorded = sorted(prior[-7:])[3] if len(prior) + 1 >= _NOISE_MIN_DIFFS else math.inf
+        recorded = sorted(prior[-7:])[3] if count + 1 >= _NOISE_MIN_DIFFS else math.inf
         return DivergenceRanges(loss=self.loss.firing_ranges(), grad=self.grad.firing_ranges(),
                                 continuing=self._cause is not None, loss_not_falling_from=recorded,
                                 loss_not_falling_unrecorded=unrecorded)
@@ -420,8 +461,8 @@ class DivergenceDetector:
     def _loss_not_falling(self) -> bool:
         """The gradient norm alone counts once the loss has a history (early in training the norm
         legitimately grows for many steps) and when the loss is at or above its recent median."""
-        past = [v for _, v in self.loss._past] + [v for _, v in self.loss._run]
-        if len(past) < _NOISE_MIN_DIFFS:
+        past, count = self.loss.recent(8)
+        if count < _NOISE_MIN_DIFFS:
             return False
         recent = sorted(past[-8:])
         return past[-1] >= recent[len(recent) // 2]

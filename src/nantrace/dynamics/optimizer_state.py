@@ -75,10 +75,11 @@ def tensor_state_stats(m: torch.Tensor, v: torch.Tensor, threshold: float) -> to
     """
     acc = accumulation_dtype(m.device)
     vf = v.float() if v.dtype in _LOW_PRECISION else v
-    bad = torch.count_nonzero((vf < threshold).logical_and_(m != 0))
+    sharded = hasattr(m, "to_local")  # a DTensor (FSDP2): only ops whose sharding rules need no host read
+    bad = ((m != 0) & (vf < threshold)).sum() if sharded else torch.count_nonzero((vf < threshold).logical_and_(m != 0))
     m_norm = torch.linalg.vector_norm(m, dtype=acc)
     v_norm = torch.linalg.vector_norm(v, dtype=acc)
-    if acc == torch.float64 and torch.float64 not in (m.dtype, v.dtype):
+    if acc == torch.float64 and torch.float64 not in (m.dtype, v.dtype) and not sharded:
         nonfinite = ~torch.isfinite(m_norm + v_norm)
     else:
         nonfinite = (m.numel() - torch.isfinite(m).sum()) + (v.numel() - torch.isfinite(v).sum())
