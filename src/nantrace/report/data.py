@@ -389,13 +389,16 @@ def _curve(key: str, label: str, steps: np.ndarray, values: np.ndarray, kinds: n
     finite = kinds == _KIND_FINITE
     nonpositive = finite & (values <= 0) if log else np.zeros(len(values), dtype=bool)
     finite = finite & ~nonpositive  # a log axis cannot draw them: they get marks of their own
+    present = kinds != _KIND_MISSING  # a step that did not measure it (the parameter norm between full reads) is no gap
     if not buckets.reduced:
-        x, y = steps, np.where(finite, values, np.nan)
+        x, y = steps[present], np.where(finite, values, np.nan)[present]
     else:
         idx = _decimate(values, finite, buckets, keep)
+        idx = idx[present[idx]]
         x, y = steps[idx], np.where(finite[idx], values[idx], np.nan)
-        empty = np.flatnonzero(np.add.reduceat(finite.astype(np.int64), buckets.starts) == 0) if len(steps) else []
-        if len(empty):  # a bucket without a finite value breaks the line there
+        empty = np.flatnonzero((np.add.reduceat(finite.astype(np.int64), buckets.starts) == 0)
+                               & (np.add.reduceat(present.astype(np.int64), buckets.starts) > 0)) if len(steps) else []
+        if len(empty):  # a bucket with values but none finite breaks the line there
             gap_idx = buckets.starts[empty]
             order = np.argsort(np.concatenate([idx, gap_idx]), kind="stable")
             x = np.concatenate([x, steps[gap_idx]])[order]
