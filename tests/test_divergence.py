@@ -132,3 +132,54 @@ def test_state_dict_round_trip():
     e.load_state_dict(d.state_dict())
     assert e.state_dict() == d.state_dict()
     assert (d.update(5, 7.0, 7.0, 0.1) is None) == (e.update(5, 7.0, 7.0, 0.1) is None)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_running_fit_is_numpys_least_squares(seed):
+    """The run's slope and R² come from running sums; numpy's least squares on the run's log-values
+    (no shared code) gives the same, for runs from 3 to 400 values spanning tiny to large steps."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        n = int(rng.integers(3, 400))
+        tracker = GrowthTracker("loss", min_steps=4, min_factor=4.0)
+        value = float(np.exp(rng.uniform(-20, 20)))
+        values = []
+        for step in range(n):
+            values.append(value)
+            tracker.update(step, value)
+            value *= float(np.exp(rng.exponential(rng.choice([1e-6, 1e-3, 0.1, 2.0]))))
+        if tracker.diverged:
+            continue  # a flagged run keeps its start; compare plain runs only
+        ys = np.log(np.array(values[-len(tracker._run):]))
+        x = np.arange(len(ys))
+        slope, intercept = np.polyfit(x, ys, 1)
+        r2 = 1 - np.sum((ys - (slope * x + intercept)) ** 2) / np.sum((ys - ys.mean()) ** 2)
+        growth = tracker._growth()
+        assert math.log(growth.per_step) == pytest.approx(slope, rel=1e-9, abs=1e-12)
+        assert growth.r2 == pytest.approx(r2, abs=1e-9)
+
+
+def test_one_logarithm_per_value_however_long_the_run(monkeypatch):
+    """A smooth series (a gradient norm rising through a long warm-up) makes one long run: each
+    update costs the same at its 10th value and its 600th (it refitted the whole run before)."""
+    from nantrace.detection import divergence
+
+    calls = []
+
+    class CountingMath:
+        def __getattr__(self, name):
+            return getattr(math, name)
+
+        @staticmethod
+        def log(x):
+            calls.append(x)
+            return math.log(x)
+
+    monkeypatch.setattr(divergence, "math", CountingMath())
+    detector = DivergenceDetector(min_steps=4, min_factor=4.0)
+    per_update = []
+    for i in range(600):
+        before = len(calls)
+        detector.update(i, 2.0 * 0.999 ** i, 1.0 + 0.001 * i, 1e-3)  # a falling loss, a rising norm
+        per_update.append(len(calls) - before)
+    assert max(per_update[100:]) == max(per_update[10:100]) <= 4
