@@ -203,6 +203,7 @@ class UpdateCheck:
     def after_update(self) -> UpdateFailure | None:
         """Check the copied groups after the update (one host read); undo and report a bad one."""
         if not self._armed:
+            self.param_bound = None  # an update nothing bounded beforehand
             return None
         self._armed = False
         self.last_reasons = self._reasons
