@@ -178,3 +178,33 @@ def test_growing_gradients_are_reported_well_before_the_nan() -> None:
     assert 120 < growth[0].step < first_nonfinite - 50
     assert growth[0].details["growth"][growth[0].module] >= 10
     assert len({i.module for i in growth}) == len(growth)  # once per layer
+
+
+@pytest.mark.parametrize("scenario", ["dead_relu", "growing_gradients"])
+def test_batched_layer_figures_report_every_warning_at_its_own_step(monkeypatch, scenario) -> None:
+    """The per-layer figures of healthy steps are combined in batches; a batch ends at each sample
+    that the early warnings judge, so the incidents (step, kind, module, evidence) are those of
+    figures combined one step at a time (``BATCH = 1``, the reference)."""
+    from nantrace.dynamics.layers import LayerStatsMonitor
+
+    def run(batch: int) -> list[tuple]:
+        monkeypatch.setattr(LayerStatsMonitor, "BATCH", batch)
+        model = relu_mlp(0, width=32)
+        if scenario == "dead_relu":
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+            def kill(step: int) -> None:
+                if step == 130:
+                    with torch.no_grad():
+                        model[2].bias.fill_(-100.0)
+
+            guard = train(model, opt, classification_batches(), 220, quiet(), before_step=kill)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            guard = train(model, opt, classification_batches(), 280, quiet(), loss_scale=lambda s: 1.05 ** max(0, s - 120))
+        return [(i.step, i.kind, i.module, i.cause, str(i.details) if i.kind in DYNAMICS_KINDS else None)
+                for i in guard.incidents]  # (the non-finite incidents' episode ids are random)
+
+    batched, reference = run(LayerStatsMonitor.BATCH), run(1)
+    assert batched == reference
+    assert any(kind in ("vanishing_gradient", "grad_growth") for _, kind, *_ in batched)

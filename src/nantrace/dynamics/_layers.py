@@ -47,6 +47,8 @@ class LayerIndex:
         self.numel: np.ndarray = np.zeros(len(names), dtype=np.int64)
         """Number of elements in each layer (set by :meth:`set_numel`)."""
         self._empty_all = np.bincount(self.layer_of, minlength=len(names)) == 0
+        self._order: np.ndarray | None = None
+        self._starts = np.zeros(0, dtype=np.int64)
         """Layers without any tensor (none, unless built oddly): the per-step figures of all
         tensors reuse it instead of counting again."""
 
@@ -77,6 +79,19 @@ class LayerIndex:
         empty = self._empty_all if which is None else np.bincount(idx, minlength=len(self)) == 0
         if empty.any():
             out[empty] = np.nan
+        return out
+
+    def combine_rows(self, norms: np.ndarray) -> np.ndarray:
+        """:meth:`combine` of every tensor, for many steps at once: ``norms`` is (steps × tensors),
+        the result (steps × layers), one reduction for all rows (a non-finite norm stays in its layer)."""
+        if self._order is None:
+            self._order = np.argsort(self.layer_of, kind="stable")
+            self._starts = np.flatnonzero(np.r_[True, np.diff(self.layer_of[self._order]) != 0])
+        values = np.asarray(norms, dtype=np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            sq = np.add.reduceat((values * values)[:, self._order], self._starts, axis=1)
+            out = np.full((values.shape[0], len(self)), np.nan)
+            out[:, ~self._empty_all] = np.sqrt(sq)
         return out
 
     def present(self, which: Sequence[int] | None = None) -> np.ndarray:

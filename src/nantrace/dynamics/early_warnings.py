@@ -87,15 +87,34 @@ class LayerWarnings:
     # ----------------------------------------------------------------- inputs
     def observe_norms(self, step: int, grad: np.ndarray, param: np.ndarray) -> list[Signal]:
         """One sample of per-layer gradient and parameter norms (NaN where a layer is absent)."""
-        if step < self.settings.warmup or len(self.names) == 0:
+        return self.observe_many([step], grad[None, :], param[None, :])
+
+    def observe_many(self, steps: Sequence[int], grad: np.ndarray, param: np.ndarray) -> list[Signal]:
+        """Samples of several steps at once, in order (rows of ``grad``/``param``, one per step): the
+        same judgements as one :meth:`observe_norms` per row, from one pass of array arithmetic."""
+        if len(self.names) == 0 or not len(steps):
             return []
-        if np.isinf(grad).any():
-            return []  # a non-finite step is the guard's business, not a trend
         usable = np.isfinite(grad) & np.isfinite(param) & (param > 0)
-        ratio = np.divide(grad, param, out=np.full(len(grad), np.nan), where=usable)
-        log_r = np.full(len(grad), -np.inf)
+        ratio = np.divide(grad, param, out=np.full(grad.shape, np.nan), where=usable)
+        log_r = np.full(grad.shape, -np.inf)
         np.log10(ratio, out=log_r, where=ratio > 0)  # exactly zero gradient -> -inf
         log_r[~usable] = np.nan
+        skip = np.isinf(grad).any(axis=1)  # a non-finite step is the guard's business, not a trend
+        signals: list[Signal] = []
+        for i, step in enumerate(steps):
+            if step >= self.settings.warmup and not skip[i]:
+                signals += self._sample(step, log_r[i])
+        return signals
+
+    def samples_to_next_judgement(self) -> int:
+        """How many more samples until one completes a block or is judged (a caller that batches
+        samples flushes there, so that every judgement happens at the step of its own sample)."""
+        s = self.settings
+        to_block = max(s.block - len(self._block), 1)
+        to_judge = (s.check_every // 2 - self._samples) % s.check_every or s.check_every
+        return min(to_block, to_judge)
+
+    def _sample(self, step: int, log_r: np.ndarray) -> list[Signal]:
         self._recent.append((step, log_r))
         self._block.append(log_r)
         if len(self._block) >= self.settings.block:

@@ -61,6 +61,16 @@ class LayerFigures:
 
 
 @dataclasses.dataclass
+class _Row:
+    """A healthy step's figures, kept until the next flush (:attr:`LayerStatsMonitor.BATCH`)."""
+
+    step: int
+    grad_norms: list[float]
+    param_norms: list[float] | None
+    observe: bool
+
+
+@dataclasses.dataclass
 class _PendingUpdate:
     figures: LayerFigures
     read: DeferredRead
@@ -91,10 +101,18 @@ class LayerStatsMonitor(SafeMonitor):
 
     ``latest`` holds the last step's :class:`LayerFigures` and ``latest_update`` the last
     figures with an update ratio (one step late), e.g. for TensorBoard.
+
+    The figures of healthy steps are combined in batches of up to :attr:`BATCH` steps (one pass of
+    array arithmetic instead of one per step: a dozen small NumPy calls cost ~0.15 ms a step on the
+    CPU, cold after the user's backward). A batch ends before any step that is not a plain healthy
+    one (a blocked update, a non-finite figure, an update-ratio step) and at the sample that
+    completes a block or is judged by the early warnings, so every warning is reported at the
+    step of its own sample, as without batching; the run store gets the rows at the flush.
     """
 
     name = "layer statistics"
     summary_key = "layers"
+    BATCH = 8
 
     def __init__(self, *, every: int, update_every: int, warnings: WarningSettings | None) -> None:
         super().__init__()
@@ -103,11 +121,14 @@ class LayerStatsMonitor(SafeMonitor):
         self.settings = warnings
         self.index = LayerIndex([])
         self.warnings: LayerWarnings | None = None
-        self.latest: LayerFigures | None = None
         self.latest_update: LayerFigures | None = None
         self._params: list[torch.Tensor] = []
         self._before: list[torch.Tensor] | None = None
         self._pending: _PendingUpdate | None = None
+        self._rows: list[_Row] = []
+        self._counted = 0
+        """Rows in ``_rows`` that the early warnings will count as samples."""
+        self._latest: LayerFigures | None = None
         self._last_param: np.ndarray | None = None
         """The per-layer parameter norms of the last step that read them all: between such steps
         (``DetectionConfig.param_check_every``) the early warnings' ‖g‖/‖θ‖ divides by these (the
@@ -127,6 +148,12 @@ class LayerStatsMonitor(SafeMonitor):
         if is_sampled(step, self.update_every) and params:
             self._before = _copy([local(p.detach()) for p in params])
 
+    @property
+    def latest(self) -> LayerFigures | None:
+        """The last step's figures (the rows still batched are combined first)."""
+        self._flush()  # a batch never holds a sample that completes a block or is judged: no signal is lost
+        return self._latest
+
     def _on_step(self, ctx: StepContext) -> list[Signal]:
         signals: list[Signal] = []
         if self._pending is not None:
@@ -134,20 +161,61 @@ class LayerStatsMonitor(SafeMonitor):
             self._pending = None
         before, self._before = self._before, None
         update_now = before is not None and ctx.applied
-        if not (is_sampled(ctx.step, self.every) or update_now):
+        sampled = is_sampled(ctx.step, self.every)
+        if not (sampled or update_now):
             return signals
+        health = ctx.health
+        healthy = ctx.applied and health.grads_finite and health.loss_finite
+        observe = self.warnings is not None and sampled and healthy
+        if healthy and not update_now and len(ctx.grad_index) == len(self.index.layer_of):
+            full = len(health.param_norms) == len(self.index.layer_of)
+            self._rows.append(_Row(ctx.step, health.grad_norms, health.param_norms if full else None, observe))
+            assert self.warnings is None or self.settings is not None
+            if observe and self.settings is not None and ctx.step >= self.settings.warmup:
+                self._counted += 1
+            due = self.warnings is not None and self._counted >= self.warnings.samples_to_next_judgement()
+            if len(self._rows) >= self.BATCH or due:
+                signals += self._flush()
+            return signals
+        signals += self._flush()
         figures = self._figures(ctx)
-        self.latest = figures
+        self._latest = figures
         if update_now:
             assert before is not None
             self._pending = self._start_update(figures, before)
         else:
-            self._write(figures)
-        if (self.warnings is not None and is_sampled(ctx.step, self.every) and ctx.applied
-                and ctx.health.grads_finite and ctx.health.loss_finite):
+            self._write([figures])
+        if observe and self.warnings is not None:
             param = figures.param_norm if figures.param_present.all() or self._last_param is None else self._last_param
             signals += self.warnings.observe_norms(ctx.step, figures.grad_norm, param)
         return signals
+
+    def _flush(self) -> list[Signal]:
+        """Combine, store and observe the batched rows, in order."""
+        rows, self._rows, self._counted = self._rows, [], 0
+        if not rows:
+            return []
+        n = len(self.index)
+        grad = self.index.combine_rows([r.grad_norms for r in rows])
+        everywhere = np.ones(n, dtype=bool)
+        nowhere = np.zeros(n, dtype=bool)
+        absent = np.full(n, np.nan)
+        figures, seen = [], []
+        for row, g in zip(rows, grad):
+            if row.param_norms is not None:
+                param = self._last_param = self.index.combine(row.param_norms)
+                figures.append(LayerFigures(row.step, g, param, everywhere, everywhere))
+            else:
+                param = self._last_param if self._last_param is not None else absent
+                figures.append(LayerFigures(row.step, g, absent, everywhere, nowhere))
+            seen.append(param)
+        self._latest = figures[-1]
+        self._write(figures)
+        observed = [i for i, r in enumerate(rows) if r.observe]
+        if self.warnings is None or not observed:
+            return []
+        return self.warnings.observe_many([rows[i].step for i in observed], grad[observed],
+                                          np.stack([seen[i] for i in observed]))
 
     def _figures(self, ctx: StepContext) -> LayerFigures:
         health = ctx.health
@@ -185,18 +253,20 @@ class LayerStatsMonitor(SafeMonitor):
         with np.errstate(divide="ignore", invalid="ignore"):
             figures.update_ratio = delta / figures.param_norm
         self.latest_update = figures
-        self._write(figures)
+        self._write([figures])
         if self.warnings is not None:
             return self.warnings.observe_update_ratio(figures.step, figures.update_ratio)
         return []
 
-    def _write(self, figures: LayerFigures) -> None:
+    def _write(self, figures: list[LayerFigures]) -> None:
         store = self.watched.store
         if store is not None:
             with store.transaction():
-                store.log_layer_stats(figures.step, figures.rows())
+                for f in figures:
+                    store.log_layer_stats(f.step, f.rows())
 
     def _detach(self) -> None:
+        self._flush()  # signals after the last step are not reported
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._finish_update(pending)  # signals after the last step are not reported
