@@ -116,6 +116,8 @@ class ParamProvenance:
         else:
             self.partial_steps += 1
             self._since_full += 1
+            if not which:
+                return  # nothing was written since: what plan() compared with still holds
             if self.bound is not None:
                 self.bound = max([self.bound, *norms]) if finite else None
         self._remember()
