@@ -48,7 +48,7 @@ def rerun_scope(watched: "Watched") -> Iterator[None]:
     buffers = {n: b.detach().clone() for n, b in watched.root.named_buffers()}
     was_training = watched.root.training
     try:
-        with watched.replay(), _eager(), _silenced():
+        with watched.replay(), _eager(), _checkpoint_inline(), _silenced():
             yield
     finally:
         watched.root.train(was_training)
@@ -83,6 +83,34 @@ def _eager() -> Iterator[None]:
         return
     with set_stance("force_eager"):
         yield
+
+
+class _Inline:
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` during a replay: the checkpointed
+    function runs directly, with its graph kept."""
+
+    @staticmethod
+    def apply(function: Any, _preserve_rng_state: bool, *args: Any) -> Any:
+        return function(*args)
+
+
+@contextlib.contextmanager
+def _checkpoint_inline() -> Iterator[None]:
+    """Run reentrant activation checkpointing (``checkpoint(..., use_reentrant=True)``, the default
+    of many LLM code bases) inline during a replay. Its backward refuses ``torch.autograd.grad``,
+    which the replay differentiates with, and it re-runs the forward under the backward, where the
+    tracer would see the ops a second time. A replay saves no memory that way anyway."""
+    from torch.utils import checkpoint
+
+    original = getattr(checkpoint, "CheckpointFunction", None)
+    if original is None:
+        yield
+        return
+    checkpoint.CheckpointFunction = _Inline  # type: ignore[attr-defined,assignment]
+    try:
+        yield
+    finally:
+        checkpoint.CheckpointFunction = original  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
