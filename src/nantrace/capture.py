@@ -95,6 +95,10 @@ class ForwardRecord:
     outputs: list[Any] = dataclasses.field(default_factory=list)
     """Weak references to the forward's floating outputs, so a replay of the loss code can be
     fed the replayed outputs in their place (one dataflow graph from the model to the loss)."""
+    grad_enabled: bool = True
+    """False for a forward run under ``torch.no_grad()`` inside the step (pseudo-labels, a PPO
+    policy's old log-probabilities, a DPO reference pass): replayed under no_grad too, so that its
+    outputs feed the replayed loss code without adding a gradient path the real step did not have."""
 
 
 @dataclasses.dataclass

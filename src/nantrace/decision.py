@@ -31,6 +31,7 @@ from .detection.spikes import RobustSpikeDetector
 from .diagnosis.triage import Finding, triage
 from .distributed import Agreement, StepRound, agree, combine_shards
 from .incident import Incident
+from .loss_tape import unread_nograd_forwards
 from .response.policies import action_for
 from .response.update_bounds import update_folds_params
 from .taxonomy import Action, is_finite_trouble
@@ -320,7 +321,10 @@ def nonfinite_from_norms(names: Sequence[str], norms: Sequence[float]) -> list[d
 def bad_inputs(capture: StepCapture) -> list[dict[str, Any]]:
     """Which forward call, argument and samples (rows of dim 0) carried non-finite values."""
     out = []
+    unread = unread_nograd_forwards(capture.tape, capture.prelude, capture.forwards)
     for call, record in enumerate(capture.forwards):
+        if call in unread:  # an evaluation pass between steps: its data is not the step's
+            continue
         named = [(f"args[{i}]", a) for i, a in enumerate(record.args)] + [(f"{k}=", v) for k, v in record.kwargs.items()]
         for name, value in named:
             for t in floating_tensors(value):

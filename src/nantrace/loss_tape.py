@@ -339,3 +339,56 @@ def _name_outputs(obj: Any, positions: dict[int, OutputRef], depth: int = 0) -> 
     if isinstance(obj, dict):
         return {k: _name_outputs(v, positions, depth + 1) for k, v in obj.items()}
     return obj
+
+
+def unread_nograd_forwards(tape: LossTape | None, prelude: LossTape | None, units: Sequence[Any]) -> set[int]:
+    """Indices of the step's forwards run under ``torch.no_grad()`` whose outputs never reached the
+    step: neither the loss code nor a later forward read them, directly or through the prelude's
+    calls (``old.gather(...)`` before the forward). An evaluation pass between two steps, not a
+    pseudo-label or a reference log-probability; such a forward is never the step's origin.
+    Live tapes name the outputs by identity; a bundle's by :class:`OutputRef` (and the prelude's
+    values by ``PreludeRef``)."""
+    candidates = [u for u, f in enumerate(units) if not getattr(f, "grad_enabled", True)]
+    if not candidates:
+        return set()
+    made: dict[int, set[int]] = {}  # id of a live tensor -> the no-grad forwards it came from
+    for u in candidates:
+        for ref in units[u].outputs:
+            t = ref() if callable(ref) else None
+            if t is not None:
+                made[id(t)] = {u}
+    from_prelude: list[set[int]] = []  # per prelude call: the no-grad forwards its inputs came from
+
+    def sources(obj: Any, in_prelude: bool, depth: int = 0) -> set[int]:
+        if isinstance(obj, OutputRef):
+            return {obj.unit}
+        if isinstance(obj, torch.Tensor):
+            return made.get(id(obj), set())
+        if isinstance(obj, Ref):
+            return from_prelude[obj.entry] if in_prelude and obj.entry < len(from_prelude) else set()
+        if hasattr(obj, "entry") and hasattr(obj, "slot"):  # a bundle's PreludeRef
+            return from_prelude[obj.entry] if obj.entry < len(from_prelude) else set()
+        found: set[int] = set()
+        if depth < 4 and isinstance(obj, (list, tuple)):
+            for v in obj:
+                found |= sources(v, in_prelude, depth + 1)
+        elif depth < 4 and isinstance(obj, dict):
+            for v in obj.values():
+                found |= sources(v, in_prelude, depth + 1)
+        return found
+
+    for i, entry in enumerate(prelude.entries if prelude is not None else ()):
+        came = sources((entry.args, entry.kwargs), True)
+        from_prelude.append(came)
+        if came and i < len(prelude.outputs):
+            for ref in prelude.outputs[i]:
+                t = ref()
+                if t is not None:
+                    made[id(t)] = came
+    read: set[int] = set()
+    for entry in tape.entries if tape is not None else ():
+        read |= sources((entry.args, entry.kwargs), False)
+    for f in units:
+        if getattr(f, "grad_enabled", True):
+            read |= sources((getattr(f, "args", ()), getattr(f, "kwargs", {})), False)
+    return set(candidates) - read

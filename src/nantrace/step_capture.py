@@ -35,6 +35,10 @@ __all__ = ["StepRecorder"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+NOGRAD_FORWARDS = 4
+"""At most this many forwards of the watched model under ``torch.no_grad()`` are kept per step, for
+the replay (inputs, RNG, buffers); an evaluation loop between two steps keeps no more than that."""
+
 _PRELUDES: "weakref.WeakSet[LossTape]" = weakref.WeakSet()
 """Every live guard's prelude tape: a watched model's forward ends them all (see ``forward_pre``)."""
 
@@ -67,6 +71,9 @@ class StepRecorder:
             callback(exc)
 
     def _new_capture(self) -> StepCapture:
+        self._nograd_kept = 0
+        self._nograd: ForwardRecord | None = None
+        self._resume: list[LossTape] = []
         if self.tape is not None:
             self.tape.reset()
         if self.prelude is not None:
@@ -86,7 +93,7 @@ class StepRecorder:
     @property
     def active(self) -> bool:
         """Something of the step was captured (a forward of the watched model or a ``replayable`` call)."""
-        return bool(self.capture.forwards or self.capture.calls)
+        return bool(self.capture.calls) or any(f.grad_enabled for f in self.capture.forwards)
 
     def pause_tape(self) -> None:
         if self.prelude is not None:
@@ -107,6 +114,8 @@ class StepRecorder:
 
     # ------------------------------------------------------------ the model's forward
     def forward_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled():  # taping goes on after it where it was going on before it
+            self._resume = [t for t in (self.prelude, self.tape) if t is not None and t.recording]
         self.pause_tape()  # the model's own ops are replayed from its inputs, not taped
         if len(_PRELUDES) > 1:
             # Another guard's prelude ends here too: a watched model's forward belongs to its own
@@ -115,20 +124,33 @@ class StepRecorder:
             for prelude in list(_PRELUDES):
                 if prelude is not self.prelude:
                     prelude.pause()
-        if self.watched.closed or self.watched.replaying or not torch.is_grad_enabled():
+        if self.watched.closed or self.watched.replaying:
             return
+        grad = torch.is_grad_enabled()
+        if not grad:
+            self._nograd = None
+            if self._nograd_kept >= NOGRAD_FORWARDS:
+                return
+            self._nograd_kept += 1
         with untaped():  # this guard's work, not another guard's loss code
             record = ForwardRecord(args=args, kwargs=kwargs, rng=RngState.current(), autocast=AutocastState.current(),
-                                   buffers=self.buffers.snapshot())
+                                   buffers=self.buffers.snapshot(), grad_enabled=grad)
             self.capture.forwards.append(record)
-            if self.watched.config.detection.check_inputs:
+            if not grad:
+                self._nograd = record
+            elif self.watched.config.detection.check_inputs:
                 self.capture.note_inputs(floating_tensors((args, kwargs)))
 
     def forward_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if output is None and sys.exc_info()[1] is not None:  # the forward raised (an always-called hook)
             self._exception(sys.exc_info()[1])  # type: ignore[arg-type]
             return
-        if self.watched.closed or self.watched.replaying or not torch.is_grad_enabled() or not self.capture.forwards:
+        if self.watched.closed or self.watched.replaying:
+            return
+        if not torch.is_grad_enabled():
+            self._after_nograd(output)
+            return
+        if not self.capture.forwards:
             return
         record = self.capture.forwards[-1]
         with untaped():
@@ -144,6 +166,18 @@ class StepRecorder:
                         t.register_hook(functools.partial(_keep_grad, record, i))
         if self.tape is not None:
             self.tape.resume()
+
+    def _after_nograd(self, output: Any) -> None:
+        """A forward under ``torch.no_grad()`` returned: its outputs are named for the loss replay,
+        and the tape that was recording when it began records again (the loss code around a
+        pseudo-label pass; the code between two steps around an evaluation pass)."""
+        record, self._nograd = self._nograd, None
+        if record is not None and self.tape is not None:
+            with untaped():
+                record.outputs = [weakref.ref(t) for t in floating_tensors(output)]
+        resume, self._resume = self._resume, []
+        for tape in resume:
+            tape.resume()
 
     # ------------------------------------------------------------ the loss
     def on_loss(self, loss: torch.Tensor) -> None:

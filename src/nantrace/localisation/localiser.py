@@ -21,6 +21,7 @@ from ..diagnosis.classify import LOW_PRECISION, Classification, classify
 from ..diagnosis.patterns import explain
 from .modules import ModuleStack
 from .origin import Origin, chain_summary, trace_back
+from ..loss_tape import unread_nograd_forwards
 from .loss_replay import replay_step
 from .rerun import float32_model, rerun_scope, run_unit
 from .tracer import OpRecord, OpTracer
@@ -110,10 +111,13 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
     # The loss was non-finite while the model's outputs were finite: the loss code is where it began.
     loss_side = incident.kind == "nonfinite_loss" and outputs_finite is True and tape is not None and tape.usable
     together = lockstep is not None
+    unread = set() if together else unread_nograd_forwards(capture.tape, capture.prelude, units)
     with rerun_scope(watched):
         for index, unit in enumerate(units):
             if observed_in is not None:  # found (lockstep only): keep replaying with the other ranks
                 run_unit(watched, unit, together=True)
+                continue
+            if index in unread:  # an evaluation pass between steps: nothing of the step came from it
                 continue
             modules = ModuleStack(watched.root)
             tracer = OpTracer(modules, externals)

@@ -182,7 +182,7 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
             contexts.append(torch.autocast("cuda", enabled=False))
     else:
         contexts = unit.autocast.contexts()
-    with contextlib.ExitStack() as stack, torch.enable_grad():
+    with contextlib.ExitStack() as stack, torch.set_grad_enabled(getattr(unit, "grad_enabled", True)):
         for ctx in contexts:
             stack.enter_context(ctx)
         if isinstance(unit, CallRecord):

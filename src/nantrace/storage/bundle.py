@@ -89,6 +89,7 @@ def write_bundle(watched: "Watched", incident: Incident, capture: StepCapture) -
                 "buffers": {k: v.cpu() for k, v in (f.buffers or {}).items()},
                 "output_grads": [[i, g.detach().cpu()] for i, g in f.output_grads],
                 "autocast": f.autocast.to_dict(),
+                "grad_enabled": f.grad_enabled,
             }
             for f in capture.forwards
         ]
@@ -209,6 +210,7 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
                 ),
                 buffers=dict(f["buffers"]) or None,
                 output_grads=[(int(i), g) for i, g in f["output_grads"]],
+                grad_enabled=bool(f.get("grad_enabled", True)),
             )
         )
     tape = prelude = None
