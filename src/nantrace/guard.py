@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -596,8 +597,7 @@ class Guard:
         """Remove every hook and restore the scaler; idempotent."""
         if self.closed:
             return
-        if self._pending_exception is not None:  # e.g. a try/finally that closes the guard as a failure propagates
-            self.diagnose_exception(self._pending_exception)
+        self._diagnose_unfinished_step()
         if self.sync_free is not None:
             self.settle_device_step(stop=False)  # the last step: recorded, never raised from close()
             self._stop_next_step = None
@@ -618,6 +618,17 @@ class Guard:
         self.recorder.close()
         if self.store is not None:
             self.store.close()
+
+    def _diagnose_unfinished_step(self) -> None:
+        """Diagnose a failure of the step in progress that no other safe point has seen: one noted
+        where it was raised (the loop caught it and went on), or one still propagating as the guard
+        closes (``close()`` in a ``finally``, where ``sys.exc_info()`` is that exception). Each
+        exception is diagnosed once, and left to propagate unchanged."""
+        if self._pending_exception is not None:
+            self.diagnose_exception(self._pending_exception)
+        in_flight = sys.exc_info()[1]
+        if isinstance(in_flight, Exception) and self.recorder.active:
+            self.diagnose_exception(in_flight)
 
     def __enter__(self) -> "Guard":
         return self

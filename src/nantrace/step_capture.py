@@ -207,7 +207,13 @@ class StepRecorder:
             record = CallRecord(fn=fn, args=args, kwargs=kwargs, rng=RngState.current(),
                                 autocast=AutocastState.current(), buffers=recorder.buffers.snapshot())
             recorder.capture.calls.append(record)
-            result = fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as exc:
+                # A check written in Python (torch.distributions' validation) raises outside any op the
+                # tape sees: note it here, so a loop that catches it still gets its diagnosis.
+                recorder._exception(exc)
+                raise
             if isinstance(result, torch.Tensor):
                 record.loss = result.detach()
             return result

@@ -19,6 +19,7 @@ failure: no incident, and the exception is left alone.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import TYPE_CHECKING, Any
@@ -94,7 +95,11 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
     message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     incident.details["exception"] = message
     incident.transient = False if replay_error is not None or records else None
-    cls, origin = _from_evidence(failure, records, watched, param_modules(watched), model_start)
+    evidence = _Evidence(param_modules=param_modules(watched), history=incident.history,
+                         divergence_seen=incident.details.get("divergence"))
+    if tracer is not None:
+        evidence.made_by, evidence.ignored_targets = tracer.made_by, tracer.ignored_targets
+    cls, origin = _from_evidence(failure, records, evidence, model_start)
     if cls is None:
         # no value evidence: only a torch op's own value check (or a CUDA assert, which cannot be
         # replayed) makes it an incident; a Python error that mentions "range" or "nan" does not
@@ -144,9 +149,28 @@ def _replay_units(watched: "Watched", units: list[Any]) -> tuple[BaseException |
     return None, finite, []
 
 
-def _from_evidence(failure: FailedOp | None, records: list[OpRecord], watched: "Watched",
-                   modules_of: dict[str, str], model_start: OpRecord | None = None
-                   ) -> tuple[Classification | None, Origin | None]:
+@dataclasses.dataclass
+class _Evidence:
+    """What ``classify`` weighs besides the origin, gathered by the replay and the flight recorder.
+
+    The same evidence the NaN path (``localiser``) passes, so that a NaN gets the same cause
+    whether it ends in a non-finite loss or in an op (or a Python check) that raises on it."""
+
+    param_modules: dict[str, str]
+    made_by: Any = None
+    ignored_targets: tuple[int, int] | None = None
+    history: list[dict[str, Any]] | None = None
+    divergence_seen: dict[str, Any] | None = None
+
+    def classify(self, origin: Origin) -> Classification:
+        """Classify ``origin``, a value first seen in the forward."""
+        return classify(origin, observed_in="forward", low_precision_finite=None, param_modules=self.param_modules,
+                        ignored_targets=self.ignored_targets, made_by=self.made_by, history=self.history,
+                        divergence_seen=self.divergence_seen)
+
+
+def _from_evidence(failure: FailedOp | None, records: list[OpRecord], evidence: _Evidence,
+                   model_start: OpRecord | None = None) -> tuple[Classification | None, Origin | None]:
     bad_inputs = [ref for ref in (failure.inputs if failure else []) if ref.nan or ref.inf]
     if bad_inputs:  # a non-finite value reached a validating op: diagnose that value's origin
         ref = min(bad_inputs, key=lambda r: -1 if r.producer is None else r.producer.index)
@@ -154,7 +178,7 @@ def _from_evidence(failure: FailedOp | None, records: list[OpRecord], watched: "
             origin = trace_back(ref.producer)
         else:
             origin = Origin(record=None, chain=[], external=ref)
-        return classify(origin, observed_in="forward", low_precision_finite=None, param_modules=modules_of), origin
+        return evidence.classify(origin), origin
     if failure is not None:
         verdict = _index_out_of_range(failure) or _scalar_beyond_dtype(failure) or _outside_domain(failure)
         if verdict is not None:
@@ -163,7 +187,7 @@ def _from_evidence(failure: FailedOp | None, records: list[OpRecord], watched: "
     if model_start is not None or created:  # NaN made before a check in Python code (torch.distributions) raised
         last = model_start or created[-1]
         origin = trace_back(last) if last.out_nan else Origin(record=last, chain=[last])
-        return classify(origin, observed_in="forward", low_precision_finite=None, param_modules=modules_of), origin
+        return evidence.classify(origin), origin
     return None, None
 
 
