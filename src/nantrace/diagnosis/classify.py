@@ -100,7 +100,7 @@ def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | N
 
     if backward:
         cause, detail, facts = _backward_cause(rec, fwd, ctx)
-    elif observed_in == "backward":
+    elif observed_in == "backward" and not _feeds_user_backward(origin):
         # A forward op made a non-finite value that never reached the loss (masked by where/
         # masked_fill); its derivative, 0 × non-finite, leaks it into the gradients.
         cause, detail, facts = "where_gradient_trap", _unselected_detail(rec), {}
@@ -243,10 +243,32 @@ def _unselected_detail(rec: OpRecord) -> str:
 
 
 # ------------------------------------------------------------------------------ backward
+def _feeds_user_backward(origin: Origin) -> bool:
+    """Whether the forward value at the origin went bad and was then used by the user's own
+    backward code (a custom Function's backward, a hook) rather than by a built-in derivative:
+    no unselected branch is involved, the forward op broke."""
+    chain = origin.chain
+    after = chain[chain.index(origin.record) + 1:] if origin.record in chain else []
+    consumer = next((r for r in after if r.phase == "backward"), None)
+    return consumer is not None and consumer.user_code
+
+
+def _own_op_cause(rec: OpRecord, ctx: RuleContext) -> Verdict:
+    """A backward op that derives no forward op (the user's custom backward or hook, or a node
+    no traced forward op made), judged as the op itself by the forward rules. A value beyond
+    the dtype's range there is a gradient that overflowed."""
+    if rec.output is None:  # kept only when the op made its non-finite values itself
+        return "unknown", f"{short_op(rec.op)} received non-finite values from outside the replayed ops", {}
+    cause, detail, facts = _forward_cause(rec, ctx)
+    if cause == "overflow":
+        return "gradient_explosion", f"the gradient overflowed in {short_op(rec.op)}: {detail}", facts
+    return cause, detail, facts
+
+
 def _backward_cause(rec: OpRecord, fwd: OpInfo | None, ctx: RuleContext) -> Verdict:
     facts: dict[str, Any] = {}
     if fwd is None:
-        return "gradient_explosion", f"the gradient through {short_op(rec.op)} overflowed", facts
+        return _own_op_cause(rec, ctx)
     short = short_op(fwd.op)
     if fwd.record is not None:
         return "where_gradient_trap", "the forward value was non-finite in the branch that was not selected", facts
@@ -267,6 +289,11 @@ def _backward_cause(rec: OpRecord, fwd: OpInfo | None, ctx: RuleContext) -> Verd
         return "div_by_zero", "its derivative divides by a (near-)zero denominator squared", facts
     if short in LOG_OPS and d.error:
         return "log_nonpositive", "its derivative 1/x is infinite at 0", facts
+    if rec.creates_nonfinite and rec.output is not None:
+        # finite operands: an overflow only if the derivative's own op says so (0/0 or x/0 is none)
+        cause, detail, own = _own_op_cause(rec, ctx)
+        if cause not in _SYMPTOMS and cause != "unknown":
+            return cause, f"in the derivative of {short}, {short_op(rec.op)}: {detail}", {**facts, **own}
     dtype = str(out_dtype).removeprefix("torch.") if out_dtype is not None else "its dtype"
     incoming = _incoming_max(rec)
     if incoming is not None:

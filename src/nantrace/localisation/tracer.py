@@ -72,18 +72,49 @@ def _display_path(filename: str, cwd: str) -> str:
     return filename
 
 
+def _is_library(name: str) -> bool:
+    """Whether a frame's file is torch's, nantrace's own, frozen, or a compiled graph's generated code."""
+    if name.startswith(("<frozen", "<eval_with_key>")):
+        return True
+    ours = name.startswith(_NANTRACE_DIR) and not name.startswith(_USER_CODE_IN_NANTRACE)
+    return ours or name.startswith(_TORCH_DIR)
+
+
 def user_source(skip: int = 2) -> str | None:
     """The innermost frame outside torch and nantrace: the user's line that issued the op."""
     frame = sys._getframe(skip)
     while frame is not None:
-        name = frame.f_code.co_filename
-        library = name.startswith(_TORCH_DIR) or (
-            name.startswith(_NANTRACE_DIR) and not name.startswith(_USER_CODE_IN_NANTRACE)
-        )
-        if not library and not name.startswith(("<frozen", "<eval_with_key>")):  # not a compiled graph's code
-            return format_source(name, frame.f_lineno)
+        if not _is_library(frame.f_code.co_filename):
+            return format_source(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return None
+
+
+_AUTOGRAD_DIR = _TORCH_DIR + "autograd" + os.sep
+_ENGINE_ENTRIES = frozenset({"_engine_run_backward", "backward", "grad"})
+"""Functions in ``torch/autograd/`` that hand control to the C++ autograd engine: a backward
+op with one of them as its innermost Python caller was issued by the engine itself."""
+
+
+def backward_code_source(skip: int = 2) -> str | None:
+    """The user's line that issued a backward-phase op when user code issued it (a custom
+    ``autograd.Function``'s backward, a tensor or module hook, a checkpoint's recomputation);
+    None when autograd's engine ran a built-in derivative (no user frame below the engine's entry)."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _ENGINE_ENTRIES and code.co_filename.startswith(_AUTOGRAD_DIR):
+            return None
+        if not _is_library(code.co_filename):
+            return format_source(code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return None
+
+
+def _is_custom_function(node: Any) -> bool:
+    """Whether an autograd node is a custom ``autograd.Function``'s: its backward is Python code,
+    not one ATen op's derivative."""
+    return isinstance(node, torch.autograd.function.BackwardCFunction)
 
 
 def op_name(func: Any) -> str:
@@ -165,6 +196,9 @@ class OpRecord:
     kwargs: dict[str, Any] | None = None
     output: torch.Tensor | None = None
     func: Any = None
+    user_code: bool = False
+    """A backward-phase op the user's code issued (a custom Function's backward, a hook), not a
+    built-in derivative: it is judged as the op itself, at its own source line."""
 
     @property
     def in_nan(self) -> bool:
@@ -253,7 +287,11 @@ class OpTracer(TorchDispatchMode):
         self.made_by: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         """Every tensor a forward op made, finite or not, to its op: the provenance of operands."""
         self.node_info: dict[Any, OpInfo] = {}
-        self._pending: list[tuple[weakref.ref[torch.Tensor], OpInfo]] = []
+        """Autograd node → the op that made it under grad mode (its backward ops run that op's derivative)."""
+        self.node_module: dict[Any, str | None] = {}
+        """A custom Function's node → the module its forward ran in (no op of that forward made the node)."""
+        self._pending: list[tuple[weakref.ref[torch.Tensor], OpInfo, bool]] = []
+        self._owners: dict[int, str] | None = None
         self.index = 0
         self.ops_seen = 0
         self.failure: FailedOp | None = None
@@ -270,15 +308,17 @@ class OpTracer(TorchDispatchMode):
         if func.namespace in _COLLECTIVES or func._schema.name in _UNINITIALISED:  # never an origin
             return func(*args, **kwargs)
         node = torch._C._current_autograd_node()
+        hand = backward_code_source(2) if node is not None else None
         mutable = func._schema.is_mutable
         pre = self._mutated_flags(func, args, kwargs) if mutable else None
-        kept = _clone_written(func, args, kwargs) if mutable and node is None else (args, kwargs)
+        kept = _clone_written(func, args, kwargs) if mutable and (node is None or hand) else (args, kwargs)
         try:
             out = func(*args, **kwargs)
         except Exception as exc:
             if self.failure is None:
                 self.failure = FailedOp(op=op_name(func), func=func, phase="forward" if node is None else "backward",
-                                        module=self.modules.current, source=self.source_override or user_source(3),
+                                        module=self.modules.current,
+                                        source=hand or self.source_override or user_source(3),
                                         inputs=self._input_refs(args, kwargs, pre), args=kept[0], kwargs=kept[1],
                                         error=exc, index=self.index + 1,
                                         parents=[self.made_by.get(a) for a in args if isinstance(a, torch.Tensor)])
@@ -287,18 +327,21 @@ class OpTracer(TorchDispatchMode):
         self.ops_seen += 1
         name = op_name(func)
         info: OpInfo | None = None
-        if node is None:
+        if self._pending:
             self.flush()
-            short = func._schema.name.split("::")[-1]
-            info = OpInfo(op=name, module=self.modules.current, source=self.source_override or user_source(3), index=self.index,
-                          args=kept[0], kwargs=kept[1], func=func,
-                          parents=[self.made_by.get(a) for a in args if isinstance(a, torch.Tensor)])
-            if short in _NLL_FORWARD:
+        if node is None or hand:
+            # an op of the user's own code: a forward op, or one a hook or custom backward issued
+            module = self.modules.current if node is None else self._backward_module(node)
+            source = hand if node is not None else self.source_override or user_source(3)
+            info = OpInfo(op=name, module=module, source=source, index=self.index, args=kept[0], kwargs=kept[1],
+                          func=func, parents=[self.made_by.get(a) for a in args if isinstance(a, torch.Tensor)])
+            if node is None and func._schema.name.split("::")[-1] in _NLL_FORWARD:
                 self._note_ignored_targets(args)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
         if info is not None:
+            grad_mode = torch.is_grad_enabled()
             for t in outs:
-                self._pending.append((weakref.ref(t), info))
+                self._pending.append((weakref.ref(t), info, grad_mode))
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.made_by[t] = info  # integer outputs too (an info code, a count)
@@ -313,12 +356,14 @@ class OpTracer(TorchDispatchMode):
             for a in tree_leaves((args, kwargs))
         )
         if node is not None:
-            finfo = self.node_info.get(node)
+            # a built-in derivative runs for the forward op that made its node; user code is its own origin
+            finfo = None if hand else self.node_info.get(node)
             record = OpRecord(
                 index=self.index, op=name, phase="backward",
-                module=finfo.module if finfo else None, source=finfo.source if finfo else None,
+                module=info.module if info is not None else self._node_module(node),
+                source=hand or (finfo.source if finfo else None),
                 node=node.name(), forward=finfo, out_nan=out_nan, out_inf=out_inf, inputs=inputs,
-                scalar_nonfinite=scalar_nonfinite,
+                scalar_nonfinite=scalar_nonfinite, user_code=bool(hand),
             )
         else:
             assert info is not None
@@ -327,6 +372,7 @@ class OpTracer(TorchDispatchMode):
                 node=None, forward=info, out_nan=out_nan, out_inf=out_inf, inputs=inputs,
                 scalar_nonfinite=scalar_nonfinite,
             )
+        if info is not None:
             info.record = record
         record.func = func
         if (out_nan and not record.in_nan) or record.creates_nonfinite:
@@ -345,15 +391,49 @@ class OpTracer(TorchDispatchMode):
             self.ignored_targets = (int(target.numel()), ignore)
 
     def flush(self) -> None:
-        """Link forward ops to the autograd nodes that autograd attached to their outputs."""
+        """Link ops to the autograd nodes that autograd attached to their outputs.
+
+        Only an op run under grad mode made the node its output carries. An op run without it
+        inside a custom Function's forward returns a tensor that later gets the Function's node,
+        whose backward is the user's code, not that op's derivative: the node keeps only the module."""
         pending, self._pending = self._pending, []
-        for ref, info in pending:
+        for ref, info, grad_mode in pending:
             t = ref()
             if t is None:
                 continue
             fn = t.grad_fn
-            if fn is not None and fn not in self.node_info:
+            if fn is None or fn in self.node_info:
+                continue
+            if grad_mode:
                 self.node_info[fn] = info
+            elif _is_custom_function(fn) and fn not in self.node_module:
+                self.node_module[fn] = info.module
+
+    def _node_module(self, node: Any) -> str | None:
+        """The module whose forward made ``node``: that of the op it derives, or where its custom
+        Function ran; for a parameter's gradient accumulator, the module that holds the parameter."""
+        linked = self.node_info.get(node)
+        if linked is not None:
+            return linked.module
+        leaf = getattr(node, "variable", None)  # AccumulateGrad: the leaf its gradient goes to
+        if isinstance(leaf, torch.Tensor):
+            return self._owner(leaf)
+        return self.node_module.get(node)
+
+    def _owner(self, leaf: torch.Tensor) -> str | None:
+        """The module that holds ``leaf`` as one of its own parameters, or None."""
+        if self._owners is None:
+            self._owners = {}
+            for name, module in self.modules.root.named_modules():
+                for p in module.parameters(recurse=False):
+                    self._owners.setdefault(id(p), name)
+        return self._owners.get(id(leaf))
+
+    def _backward_module(self, node: Any) -> str | None:
+        """The module of an op the user's code issues during backward: the running module (a
+        checkpoint re-running a block's forward), else the one whose forward made the node it runs for."""
+        running = self.modules.current
+        return running if running is not None else self._node_module(node)
 
     def _mutated_flags(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, tuple[bool, bool]]:
         flags: dict[int, tuple[bool, bool]] = {}
