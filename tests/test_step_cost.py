@@ -150,7 +150,7 @@ def test_extremes_judged_on_the_host_are_exact(bad_in, bad_out):
     x = torch.randn(3, 4, dtype=torch.float64)
     x[0, 0] = 1e300  # finite in float64, beyond float32: must not read as overflow
     if bad_in:
-        x[1, 2] = -math.inf
+        x[1, 2] = math.inf
     out = torch.randn(5).half()
     if bad_out:
         out[3] = math.nan
@@ -160,6 +160,23 @@ def test_extremes_judged_on_the_host_are_exact(bad_in, bad_out):
     assert staged.vector.dtype == torch.float32
     assert staged.local_flags.tolist() == [float(not bad_in), float(not bad_out), 1.0]  # the device view agrees
     assert bool(cap.inputs_ok) is (not bad_in) and bool(cap.outputs_ok) is (not bad_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_minus_inf_alone_is_a_mask_not_a_bad_value(dtype):
+    """An additive mask (0 / -inf) in and out of the model reads as finite on the host, on the
+    device and in the capture's flags alike; a NaN or +inf next to it does not."""
+    mask = torch.triu(torch.full((4, 4), -math.inf), 1).to(dtype)
+    _, staged, health = _health(mask, mask.float())
+    assert health.inputs_finite and health.outputs_finite
+    assert staged.local_flags.tolist() == [1.0, 1.0, 1.0]
+    for bad in (math.nan, math.inf):
+        broken = mask.clone()
+        broken[3, 0] = bad
+        cap, staged, health = _health(broken, broken.float())
+        assert not health.inputs_finite and not health.outputs_finite
+        assert staged.local_flags.tolist() == [0.0, 0.0, 1.0]
+        assert not bool(cap.inputs_ok) and not bool(cap.outputs_ok)
 
 
 def test_flags_with_several_forwards_and_an_explicit_flag():

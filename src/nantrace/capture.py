@@ -8,6 +8,7 @@ statistics, masks) are the only copies, and only when ``Config.snapshot_buffers`
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -201,9 +202,21 @@ def _extend_extremes(into: list[torch.Tensor], tensors: list[torch.Tensor]) -> N
         if t.numel():
             lo, hi = torch.aminmax(t.detach())
             if lo.dtype not in _EXACT_IN_FLOAT32:  # float64: 1e300 is finite but not in float32; keep 0.0/NaN
-                lo, hi = (lo * 0).float(), (hi * 0).float()
+                lo, hi = torch.where(lo == float("-inf"), 0.0, lo * 0).float(), (hi * 0).float()
             into.append(lo)
             into.append(hi)
+
+
+def extremes_ok(extremes: torch.Tensor) -> torch.Tensor:
+    """Per (minimum, maximum) pair: the tensor counts as finite. The maximum must be finite (no NaN,
+    no +inf); the minimum may be ``-inf``: an additive attention mask (``-inf`` where a position is
+    hidden) is a valid input and output, and what it does to the loss or the gradients is judged there."""
+    return torch.isfinite(extremes[1::2])
+
+
+def extremes_ok_on_host(values: list[float]) -> bool:
+    """:func:`extremes_ok` for the pairs read to the host, all of them together."""
+    return all(map(math.isfinite, values[1::2]))
 
 
 def _combine_flag(flag: torch.Tensor | None, extremes: list[torch.Tensor]) -> torch.Tensor | None:
@@ -211,7 +224,7 @@ def _combine_flag(flag: torch.Tensor | None, extremes: list[torch.Tensor]) -> to
     if not extremes:
         return flag
     device = extremes[0].device
-    ok = torch.isfinite(torch.stack([e.to(device) for e in extremes])).all()
+    ok = extremes_ok(torch.stack([e.to(device) for e in extremes])).all()
     return ok if flag is None else flag.to(device) & ok
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..capture import extremes_ok, extremes_ok_on_host
+
 
 @dataclasses.dataclass
 class StepHealth:
@@ -178,11 +180,11 @@ class StagedHealth:
         if not (self.n_input_extremes or self.n_output_extremes):
             return flags
         start = 7 + len(self.grad_norms) + len(self.param_norms)
-        finite = torch.isfinite(self.vector[start:])
+        values = self.vector[start:]
         n_in = self.n_input_extremes
         one = torch.ones((), dtype=torch.bool, device=flags.device)
-        ok = torch.stack([finite[:n_in].all() if n_in else one,
-                          finite[n_in:].all() if self.n_output_extremes else one, one])
+        ok = torch.stack([extremes_ok(values[:n_in]).all() if n_in else one,
+                          extremes_ok(values[n_in:]).all() if self.n_output_extremes else one, one])
         return flags * ok.to(flags.dtype)
 
     def unscaled_grad_norm64(self) -> torch.Tensor:
@@ -215,7 +217,8 @@ def stage(
 
     Five kernels whatever the model: one ``_foreach_norm`` over gradients and parameters
     together, one stack of those norms with the inputs' and outputs' extremes (``aminmax``
-    values kept by the forward hooks: finite exactly when every element is), one more
+    values kept by the forward hooks: a finite maximum and a minimum that is not NaN exactly when
+    every element is finite or ``-inf``, as in an additive mask: ``capture.extremes_ok``), one more
     ``_foreach_norm`` for both totals, one stack of the head and one concatenation. No finiteness kernel runs: the extremes are
     judged on the host after the read. Constants come from a per-device cache; no tensor is
     made per gradient or parameter beyond its norm.
@@ -281,8 +284,8 @@ def finish(staged: StagedHealth, host: list[float]) -> StepHealth:
     param_norms = host[7 + len(gn) : end]
     if staged.n_input_extremes or staged.n_output_extremes:  # the model's inputs and outputs, judged here
         mid = end + staged.n_input_extremes
-        in_ok = in_ok and _all_finite(host[end:mid])
-        out_ok = out_ok and _all_finite(host[mid : mid + staged.n_output_extremes])
+        in_ok = in_ok and extremes_ok_on_host(host[end:mid])
+        out_ok = out_ok and extremes_ok_on_host(host[mid : mid + staged.n_output_extremes])
     scale_value = sc if not math.isnan(sc) else None
     # A float32 norm can overflow while every element is finite (large gradients, or a
     # GradScaler's factor): only on that rare path, check exactly and recount in float64.
@@ -329,11 +332,6 @@ def measure(
     staged = stage(grads=grads, params=params, losses=losses, inputs_ok=inputs_ok, outputs_ok=outputs_ok,
                    local_grads_ok=local_grads_ok, scale=scale, grads_scaled=grads_scaled)
     return finish(staged, read(staged)[0])
-
-
-def _all_finite(values: Sequence[float]) -> bool:
-    """Every host value finite (a handful: two extremes per model input or output)."""
-    return all(map(math.isfinite, values))
 
 
 def _exactly_finite(tensors: Sequence[torch.Tensor]) -> bool:

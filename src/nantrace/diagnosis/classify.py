@@ -102,8 +102,11 @@ def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | N
         cause, detail, facts = _backward_cause(rec, fwd, ctx)
     elif observed_in == "backward" and not _feeds_user_backward(origin):
         # A forward op made a non-finite value that never reached the loss (masked by where/
-        # masked_fill); its derivative, 0 × non-finite, leaks it into the gradients.
-        cause, detail, facts = "where_gradient_trap", _unselected_detail(rec), {}
+        # masked_fill); its derivative, 0 × non-finite, leaks it into the gradients. A softmax
+        # over fully masked rows keeps its own cause wherever its NaN went (rows the loss ignores).
+        cause, detail, facts = _forward_cause(rec, ctx)
+        if cause != "masked_softmax_all":
+            cause, detail, facts = "where_gradient_trap", _unselected_detail(rec), {}
     else:
         cause, detail, facts = _forward_cause(rec, ctx)
     cause, detail = _with_history(cause, detail, ctx.history, facts, divergence_seen)

@@ -85,8 +85,9 @@ def trace_back(start: OpRecord) -> Origin:
         return Origin(record=cur, chain=path[::-1], nan_creator=nan_creator,
                       inf_creator=cur if cur.out_inf and cur.creates_nonfinite else None)
     sources = _inf_sources(cur)
-    for src, trail in sources:  # an infinite parameter or batch value is the origin
-        if isinstance(src, InputRef) and src.external and (src.external.startswith("param:") or src.external == "input"):
+    for src, trail in sources:  # an infinite parameter or batch value is the origin (a -inf mask input is not)
+        if isinstance(src, InputRef) and src.external and (src.external.startswith("param:") or (
+                src.external == "input" and not src.mask)):
             return Origin(record=trail[-1] if trail else cur, chain=(path + trail)[::-1], nan_creator=nan_creator, external=src)
     overflows = [(src, trail) for src, trail in sources if isinstance(src, OpRecord) and src.creates_nonfinite
                  and not src.is_constant]

@@ -111,6 +111,16 @@ def backward_code_source(skip: int = 2) -> str | None:
     return None
 
 
+_MASKING_OPS = frozenset({
+    "add", "sub", "where", "masked_fill", "maximum", "minimum", "baddbmm", "_softmax", "_log_softmax",
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention"})
+"""Ops through which a ``-inf`` tensor from outside is applied as an additive mask (to attention
+scores, logits); a ``-inf`` input first met by a matmul, a convolution or a normalisation is a bad
+value of the batch instead."""
+
+
 def _is_custom_function(node: Any) -> bool:
     """Whether an autograd node is a custom ``autograd.Function``'s: its backward is Python code,
     not one ATen op's derivative."""
@@ -175,6 +185,10 @@ class InputRef:
     inf: bool
     producer: "OpRecord | None"
     external: str | None
+    mask: bool = False
+    """A tensor from outside the traced ops whose only non-finite values are ``-inf``, applied by an
+    op in ``_MASKING_OPS`` (an additive attention mask passed to the forward): intentional, like a
+    ``-inf`` fill, never the origin."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -319,7 +333,7 @@ class OpTracer(TorchDispatchMode):
                 self.failure = FailedOp(op=op_name(func), func=func, phase="forward" if node is None else "backward",
                                         module=self.modules.current,
                                         source=hand or self.source_override or user_source(3),
-                                        inputs=self._input_refs(args, kwargs, pre), args=kept[0], kwargs=kept[1],
+                                        inputs=self._input_refs(args, kwargs, pre, func), args=kept[0], kwargs=kept[1],
                                         error=exc, index=self.index + 1,
                                         parents=[self.made_by.get(a) for a in args if isinstance(a, torch.Tensor)])
             raise
@@ -350,7 +364,7 @@ class OpTracer(TorchDispatchMode):
             return out
         out_nan = any(bool(torch.isnan(t).any()) for t in bad)
         out_inf = any(bool(torch.isinf(t).any()) for t in bad)
-        inputs = self._input_refs(args, kwargs, pre)
+        inputs = self._input_refs(args, kwargs, pre, func)
         scalar_nonfinite = any(
             isinstance(a, (float, int)) and not isinstance(a, bool) and not math.isfinite(a)
             for a in tree_leaves((args, kwargs))
@@ -445,8 +459,10 @@ class OpTracer(TorchDispatchMode):
                 flags[id(value)] = _nan_inf(value)
         return flags
 
-    def _input_refs(self, args: tuple[Any, ...], kwargs: dict[str, Any], pre: dict[int, tuple[bool, bool]] | None) -> list[InputRef]:
+    def _input_refs(self, args: tuple[Any, ...], kwargs: dict[str, Any], pre: dict[int, tuple[bool, bool]] | None,
+                    func: Any = None) -> list[InputRef]:
         refs: list[InputRef] = []
+        masking = func is not None and func._schema.name.split("::")[-1] in _MASKING_OPS
         named = [(f"arg{i}", a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]
         for position, value in named:
             tensors = [value] if isinstance(value, torch.Tensor) else [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
@@ -459,7 +475,10 @@ class OpTracer(TorchDispatchMode):
                     nan, inf = _nan_inf(t)
                 producer = self.producer.get(t) if (nan or inf) else None
                 external = None
+                mask = False
                 if (nan or inf) and producer is None:
                     external = self.externals.get(id(t), "constant" if not nan else "unknown")
-                refs.append(InputRef(position if len(tensors) == 1 else f"{position}[{j}]", nan, inf, producer, external))
+                    mask = masking and inf and not nan and not t.is_complex() and not bool((t.detach() == float("inf")).any())
+                refs.append(InputRef(position if len(tensors) == 1 else f"{position}[{j}]", nan, inf, producer, external,
+                                     mask))
         return refs
