@@ -158,12 +158,14 @@ def _forward_cause(rec: OpRecord, ctx: RuleContext) -> Verdict:
 
 def _fits_float32(ref_bad: torch.Tensor | None, float32_rerun_finite: bool | None) -> bool:
     """A low-precision failure is a precision overflow only if float32 would have held the values:
-    the float32 re-run of the step was finite, or the float64 values at the bad elements fit float32.
+    the float32 re-run of the step was finite, or (without one) the float64 values at the bad elements
+    fit float32. The re-run decides when there is one: it also sees a rounding upstream of the op (a
+    bfloat16 sigmoid rounded to exactly 1 makes ``log(1 - p)`` = log 0 at the op's own inputs).
     (bfloat16 shares float32's range: a bfloat16 result beyond it is a genuine overflow.)"""
-    if float32_rerun_finite is False:
-        return False
+    if float32_rerun_finite is not None:
+        return float32_rerun_finite
     if ref_bad is None:
-        return bool(float32_rerun_finite)
+        return False
     return bool(torch.isfinite(ref_bad).all()) and float(ref_bad.abs().max(), ) <= torch.finfo(torch.float32).max \
         if ref_bad.numel() else bool(float32_rerun_finite)
 

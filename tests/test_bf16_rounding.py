@@ -1,0 +1,53 @@
+"""A bfloat16 rounding upstream of the failing op is ``precision_overflow`` when the step replayed
+in float32 is finite (API.md), even though the op's own float64 recompute at its bfloat16 inputs
+fails too: ``sigmoid(8)`` rounds to exactly 1 in bfloat16, so ``log(1 - p)`` is log 0 there and
+in float64, but the float32 step never takes log 0 (``classify._fits_float32``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import nantrace
+
+BAD_STEP = 3
+
+
+def _bce(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    p = torch.sigmoid(model(x).squeeze(-1))
+    return (-(y * torch.log(p) + (1 - y) * torch.log(1 - p))).float().mean()  # origin: bce
+
+
+def _batches(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(6)
+    out = []
+    for step in range(5):
+        x, y = torch.randn(8, 8, generator=g), (torch.rand(8, generator=g) > 0.5).float()
+        if step == BAD_STEP:  # examples the model is sure of: a bias-free ReLU net scaled to logit 8
+            with torch.no_grad():
+                base = torch.randn(64, 8, generator=g)
+                logit = model(base).squeeze(-1)
+                keep = logit > 0.05
+                x, y = (base[keep] * (8.0 / logit[keep]).unsqueeze(-1))[:8], torch.zeros(8)
+        out.append((x, y))
+    return out
+
+
+def test_a_bf16_rounding_before_the_log_is_a_precision_overflow(one_thread):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 1, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batches = _batches(model)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        loss_fn = guard.replayable(_bce)
+        for x, y in batches:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(model, x, y)
+            loss.backward()
+            opt.step()
+        incidents = list(guard.incidents)
+    (got,) = incidents
+    assert (got.step, got.kind, got.op, got.module, got.cause, got.action) == (
+        BAD_STEP, "nonfinite_loss", "aten.log.default", None, "precision_overflow", "skipped")
+    assert got.details.get("float32_rerun_finite") is True
