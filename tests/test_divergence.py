@@ -95,6 +95,11 @@ def test_the_diagnosis_names_growth_rate_start_and_learning_rate(one_thread):
     ([1.0, 1.01, 1.02, 1.03, 40.0], None),          # one spike after small rises: not an exponential
     ([10.0, 3.0, 1.0, 1.2, 1.5, 2.5, 5.0], None),   # recovers below what the run has seen (10)
     ([1.0, 10.0, 1000.0, 1e5], 3),                  # one increase short, but steep beyond divergence_factor**3
+    # batch-size-1 MSE losses of a healthy run (recorded): three rises from a trough, 168x, but not
+    # 64x above the median of the steps before: noise, not the steep short divergence
+    ([0.8152, 0.0387, 1.7426, 0.9828, 0.036, 0.2582, 2.227, 6.069, 0.0038, 0.7046], None),
+    ([0.6732, 0.1794, 0.1562, 0.0101, 0.1461, 0.2196, 0.7475], None),
+    ([0.5, 0.45, 0.48, 0.44, 2.0, 40.0, 900.0], 6),  # steep and far above its level: flagged at the third rise
 ])
 def test_growth_tracker_rules(values, flagged_at):
     tracker = GrowthTracker("loss", min_steps=4, min_factor=4.0)

@@ -27,6 +27,7 @@ above its pre-growth level by ``sqrt(min_factor)``: every such step is reported 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections import deque
 
@@ -40,6 +41,8 @@ _NOISE_Z = 4.0
 """With history, the run's log-growth must exceed this many noise sigmas (scaled by sqrt(steps))."""
 _NOISE_MIN_DIFFS = 16
 _MAD_TO_SIGMA = 1.4826
+_LEVEL_WINDOW = 32
+"""How many recent healthy values the level of a short history is the median of."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +143,8 @@ class GrowthTracker:
         sigma = self._noise()
         if sigma is not None:
             lows.append(v0 * math.exp(_NOISE_Z * sigma * math.sqrt(k)))
+        elif self._past and k < self.min_steps:
+            lows.append(self._level() * self.min_factor ** 3)  # type: ignore[operator]
         low = math.log(max(lows))
         return [(math.exp(max(a, low)), math.exp(b)) for a, b in self._sums.r2_intervals() if b >= low]
 
@@ -176,7 +181,20 @@ class GrowthTracker:
         sigma = self._noise()
         if sigma is not None and math.log(growth.factor) < _NOISE_Z * sigma * math.sqrt(growth.steps):
             return None
+        if sigma is None and growth.steps < self.min_steps:
+            level = self._level()
+            if level is not None and growth.value < level * self.min_factor ** 3:
+                return None  # the short, steep run rose from a trough of a noisy start, not from where the series sits
         return growth
+
+    def _level(self) -> float | None:
+        """The median of the recent healthy past: where a series sits while its history is too short
+        for a noise estimate. A noisy loss (batch size 1, heavy tails) can rise 64x in three steps from
+        one of its troughs without diverging; a divergence that steep climbs that far above its level."""
+        if not self._past:
+            return None
+        values = sorted(v for _, v in itertools.islice(reversed(self._past), _LEVEL_WINDOW))
+        return values[len(values) // 2]
 
     def _growth(self) -> Growth:
         run = self._run
