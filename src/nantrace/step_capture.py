@@ -39,6 +39,11 @@ NOGRAD_FORWARDS = 4
 """At most this many forwards of the watched model under ``torch.no_grad()`` are kept per step, for
 the replay (inputs, RNG, buffers); an evaluation loop between two steps keeps no more than that."""
 
+_RECORDERS: "weakref.WeakSet[StepRecorder]" = weakref.WeakSet()
+"""Every live guard's recorder: with two or more, a loss is booked only by the guards whose model
+its graph reaches (``StepRecorder._reaches_model``)."""
+_GRAPH_WALK_LIMIT = 100_000
+
 _PRELUDES: "weakref.WeakSet[LossTape]" = weakref.WeakSet()
 """Every live guard's prelude tape: a watched model's forward ends them all (see ``forward_pre``)."""
 
@@ -62,6 +67,7 @@ class StepRecorder:
             self.tape.on_exception = self._exception
         if self.prelude is not None:
             _PRELUDES.add(self.prelude)
+        _RECORDERS.add(self)
         self.capture = self._new_capture()
         """What has been captured of the step in progress."""
 
@@ -184,8 +190,26 @@ class StepRecorder:
         """A scalar loss ``backward()`` runs on (``nantrace.patches.BACKWARD``)."""
         if self.watched.closed or self.watched.replaying:
             return
-        if self.active:
+        if self.active and (len(_RECORDERS) < 2 or self._reaches_model(loss)):
             self.record_loss(loss)
+
+    def _reaches_model(self, loss: torch.Tensor) -> bool:
+        """Whether ``loss``'s graph reaches a parameter of the watched model. With several guards
+        alive (a GAN's generator and discriminator), the discriminator's loss reads ``G(z).detach()``:
+        the generator's forward ran, but that loss is not the generator's step."""
+        params = {id(p) for p in self.watched.params}
+        stack = [loss.grad_fn] if loss.grad_fn is not None else []
+        seen: set[int] = set()
+        while stack and len(seen) < _GRAPH_WALK_LIMIT:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf its gradient goes to
+            if variable is not None and id(variable) in params:
+                return True
+            stack.extend(fn for fn, _ in node.next_functions)
+        return bool(stack)  # a graph too large to walk: count it, as a single guard would
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """The step's loss (also from ``GradScaler.scale``): the loss code ends here."""
@@ -222,6 +246,7 @@ class StepRecorder:
         return wrapper  # type: ignore[return-value]
 
     def close(self) -> None:
+        _RECORDERS.discard(self)
         if self.prelude is not None:
             _PRELUDES.discard(self.prelude)
             self.prelude.detach()
