@@ -305,3 +305,33 @@ def test_update_check_under_a_grad_scaler(policy: str) -> None:
         (1, "optimizer", "aten.div.Tensor", "div_by_zero", POLICY_ACTION[policy])]
     assert kept is True
     assert guard.step == (3 if policy == "skip" else 2)
+
+
+def test_a_nan_learning_rate_from_a_scheduler_is_named(one_thread):
+    """A cosine schedule whose decay divides by total_steps - warmup_steps = 0 sets lr = NaN at the
+    end of the warm-up: the update is undone at its step and the incident names the lr, not only the
+    op that met it (the op's tensors were all finite)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    warmup = total = 3
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / (total - warmup) if total != warmup else float("nan")
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    g = torch.Generator().manual_seed(1)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        for _ in range(5):
+            x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            sched.step()
+        incident = guard.incidents[0]
+    assert (incident.step, incident.kind, incident.phase, incident.cause, incident.action) == (
+        3, "nonfinite_param", "optimizer", "optimizer_state", "skipped")
+    assert "lr = nan" in incident.summary and "scheduler" in incident.fix

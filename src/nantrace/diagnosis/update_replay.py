@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -246,12 +247,22 @@ def _texts(watched: "Watched", failure: "UpdateFailure", replay: UpdateReplay, s
     else:
         via = f", computed from {replay.denominator_state}" if replay.denominator_state else ""
         how = f": {replay.op} made the first non-finite value ({replay.detail or 'from finite inputs'}{via})"
+    bad_hyper = {k: v for k, v in _hyper(group).items() if isinstance(v, float) and not math.isfinite(v)}
+    if bad_hyper:  # a scalar of the update, not a tensor: the replay's op saw only finite tensors
+        named = ", ".join(f"{k} = {v}" for k, v in bad_hyper.items())
+        how = f"{how}; the param group's {named}"
     eps = group.get("eps")
     dtype = watched.params[failure.param_index].dtype
     why = f"; {eps_note}" if eps_note and cause in ("div_by_zero", "optimizer_state") else ""
     spread = sorted({s["state"] for s in failure.nonfinite_state if s["param"] == failure.param_name} - {replay.denominator_state})
     also = f"; {', '.join(spread)} turned non-finite too" if spread and failure.nonfinite_params else ""
     summary = f"{what}{how}{why}{also}. The update was undone before it could land."
+    if bad_hyper:
+        names = " and ".join(bad_hyper)
+        fix = (f"The optimizer's {names} is not finite: check what sets it (a learning-rate scheduler's formula "
+               "dividing by zero, e.g. total_steps == warmup_steps in a cosine schedule, or a value read from a "
+               "config or a diverged schedule) and keep it finite.")
+        return summary, fix
     if eps is not None and cause in ("div_by_zero", "optimizer_state", "precision_overflow"):
         if dtype in _LOW_PRECISION:
             name = str(dtype).removeprefix("torch.")
