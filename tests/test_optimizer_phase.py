@@ -335,3 +335,46 @@ def test_a_nan_learning_rate_from_a_scheduler_is_named(one_thread):
     assert (incident.step, incident.kind, incident.phase, incident.cause, incident.action) == (
         3, "nonfinite_param", "optimizer", "optimizer_state", "skipped")
     assert "lr = nan" in incident.summary and "scheduler" in incident.fix
+
+
+class _NoEpsRMSProp(torch.optim.Optimizer):
+    """A hand-written RMSProp without eps: p -= lr * g / sqrt(acc)."""
+
+    def __init__(self, params, lr: float = 1e-3, rho: float = 0.5) -> None:
+        super().__init__(params, dict(lr=lr, rho=rho))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if "acc" not in st:
+                    st["acc"] = torch.zeros_like(p)
+                st["acc"].mul_(group["rho"]).add_(p.grad * p.grad, alpha=1 - group["rho"])
+                p.sub_(group["lr"] * p.grad / st["acc"].sqrt())  # origin: rmsprop
+
+
+def test_a_state_that_decayed_to_zero_in_an_optimizer_without_eps_is_its_state(one_thread):
+    """A dead input column gives its weights exactly-zero gradients: the accumulator decays to exactly
+    0 and the update is 0 / 0. The denominator is the optimizer's state (not this step's gradient, as
+    in LARS): ``optimizer_state``, with a fix that says to add an eps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = _NoEpsRMSProp(model.parameters())
+    g = torch.Generator().manual_seed(10)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False},
+                                                           response={"skip_budget": 0})) as guard:
+        for _ in range(200):
+            x = torch.randn(16, 4, generator=g)
+            x[:, 2] = 0.0  # a dead sensor
+            opt.zero_grad()
+            F.mse_loss(model(x), x.sum(-1, keepdim=True)).backward()
+            opt.step()
+            if guard.incidents:
+                break
+        incident = guard.incidents[0]
+    assert (incident.kind, incident.phase, incident.op, incident.module, incident.cause, incident.action) == (
+        "nonfinite_param", "optimizer", "aten.div.Tensor", "0", "optimizer_state", "skipped")
+    assert "acc" in incident.fix and "eps" in incident.fix

@@ -271,6 +271,10 @@ def _texts(watched: "Watched", failure: "UpdateFailure", replay: UpdateReplay, s
                    "(torch.autocast with float32 weights instead of model.half()).")
         else:
             fix = "Give the optimizer a positive eps (the usual 1e-8): an entry whose exp_avg_sq is 0 is divided by it."
+    elif cause == "optimizer_state" and replay.denominator_state:
+        fix = (f"The update divides by its state {replay.denominator_state}, which reached exactly 0 (a parameter "
+               "whose gradient stayed 0 long enough for the running average to decay to 0): add a small positive "
+               "eps to that denominator, as Adam and RMSProp do.")
     elif cause == "div_by_zero":
         fix = ("Guard that division in the optimizer: a norm or statistic of this parameter was exactly 0 (a layer "
                "whose gradient is all zero this step). Trust-ratio optimizers (LARS, LAMB) use a ratio of 1 when "
@@ -302,8 +306,10 @@ def optimizer_incident(watched: "Watched", failure: "UpdateFailure", history: Se
     cause = replay.cause if replay.reproduced else "optimizer_state"
     eps = group.get("eps")
     eps_note = eps_problem(float(eps), param.dtype) if isinstance(eps, (int, float)) else None
-    if cause == "div_by_zero" and replay.denominator_state is not None and eps_note:
-        cause = "optimizer_state"  # a state-derived denominator plus an eps its dtype cannot hold: the state's fault
+    if cause == "div_by_zero" and replay.denominator_state is not None and (eps_note or "eps" not in group):
+        # a denominator from the optimizer's state, with an eps its dtype cannot hold or none at all
+        # (a hand-written RMSProp whose accumulator decayed to exactly 0): the state's fault
+        cause = "optimizer_state"
     summary, fix = _texts(watched, failure, replay, state, group, cause, eps_note)
     module = failure.param_name.rpartition(".")[0]
     for item in replay.chain:
