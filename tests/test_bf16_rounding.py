@@ -1,10 +1,13 @@
 """A bfloat16 rounding upstream of the failing op is ``precision_overflow`` when the step replayed
 in float32 is finite (API.md), even though the op's own float64 recompute at its bfloat16 inputs
 fails too: ``sigmoid(8)`` rounds to exactly 1 in bfloat16, so ``log(1 - p)`` is log 0 there and
-in float64, but the float32 step never takes log 0 (``classify._fits_float32``)."""
+in float64, but the float32 step never takes log 0 (``classify._fits_float32``). In zero-code mode
+the failing code is the loss tape's: the whole step, forwards and tape, is replayed in float32
+(``localiser._tape_low_precision``, ``replay_step(full_precision=True)``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -33,13 +36,14 @@ def _batches(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def test_a_bf16_rounding_before_the_log_is_a_precision_overflow(one_thread):
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_a_bf16_rounding_before_the_log_is_a_precision_overflow(one_thread, replayable):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 1, bias=False))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     batches = _batches(model)
     with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
-        loss_fn = guard.replayable(_bce)
+        loss_fn = guard.replayable(_bce) if replayable else _bce
         for x, y in batches:
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -88,6 +88,18 @@ def _is_low_precision(watched: "Watched", unit: Any) -> bool:
     return any(t.dtype in LOW_PRECISION for t in floating_tensors((unit.args, unit.kwargs)))
 
 
+def _saw_low_precision(tracer: OpTracer | None) -> bool:
+    """A non-finite value the replay traced was float16/bfloat16 (autocast entered inside the
+    replayed call, not around it)."""
+    return tracer is not None and any(r.output is not None and r.output.dtype in LOW_PRECISION for r in tracer.records)
+
+
+def _tape_low_precision(watched: "Watched", tape: Any, units: list[Any]) -> bool:
+    """The loss code ran under autocast, or the model or its inputs are float16/bfloat16."""
+    return bool(tape.autocast is not None and tape.autocast.low_precision) or any(
+        _is_low_precision(watched, unit) for unit in units)
+
+
 def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lockstep: "Lockstep | None") -> None:
     units: list[Any] = list(capture.calls) or list(capture.forwards)
     if not units:
@@ -188,10 +200,19 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
                 and watched.config.localisation.precision_check and _is_low_precision(watched, failing_unit):
             incident.details["float32_rerun"] = "not run: under FSDP2 the replay runs on every rank together"
         elif observed_in is not None and failing_unit is not None and failing_unit is not tape and watched.config.localisation.precision_check \
-                and _is_low_precision(watched, failing_unit):
+                and (_is_low_precision(watched, failing_unit) or _saw_low_precision(tracer)):
             with float32_model(watched.root):
                 r32 = run_unit(watched, failing_unit, full_precision=True, backward=observed_in == "backward")
             finite32 = r32.forward_finite and r32.grads_finite is not False
+            incident.details["float32_rerun_finite"] = finite32
+        elif observed_in is not None and failing_unit is tape and not together \
+                and watched.config.localisation.precision_check and tape is not None \
+                and _tape_low_precision(watched, tape, units):
+            # the loss code failed (zero-code mode): replay the whole step, forwards and tape, in float32
+            with float32_model(watched.root):
+                t32 = replay_step(watched, units, tape, OpTracer(ModuleStack(watched.root), externals),
+                                  prelude=capture.prelude, full_precision=True)
+            finite32 = t32.error is None and t32.forward_finite and t32.grads_finite is not False
             incident.details["float32_rerun_finite"] = finite32
 
     if observed_in is None:

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..capture import floating_tensors
 from ..loss_tape import LossTape, Ref, tensors_of
 from ..storage.tape_codec import OutputRef, PreludeRef
-from .rerun import grad_targets, run_unit
+from .rerun import _upcast, grad_targets, run_unit
 from .tracer import OpTracer
 
 if TYPE_CHECKING:
@@ -92,10 +92,12 @@ class _Decoder:
         return obj
 
 
-def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer) -> BaseException | None:
+def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precision: bool = False) -> BaseException | None:
     """Re-issue a tape's calls under its autocast state and RNG marks, each attributed to its
-    source line; the values go to ``decode.values``. Returns the exception a call raised."""
-    contexts = tape.autocast.contexts() if tape.autocast is not None else []
+    source line; the values go to ``decode.values``. Returns the exception a call raised.
+    ``full_precision``: with autocast off and float16/bfloat16 arguments taken in float32 (the
+    float32 re-run that tells a low-precision overflow from a math error)."""
+    contexts = tape.autocast.contexts() if tape.autocast is not None and not full_precision else []
     with contextlib.ExitStack() as stack:
         for ctx in contexts:
             stack.enter_context(ctx)
@@ -105,7 +107,10 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer) -> BaseExceptio
                 marks[index].restore()
             tracer.source_override = entry.source
             try:
-                out = entry.func(*decode(entry.args), **decode(entry.kwargs))
+                args, kwargs = decode(entry.args), decode(entry.kwargs)
+                if full_precision:
+                    args, kwargs = _upcast(args), _upcast(kwargs)
+                out = entry.func(*args, **kwargs)
             except Exception as exc:
                 return exc
             finally:
@@ -133,7 +138,8 @@ def _replay_prelude(prelude: LossTape, tracer: OpTracer, *,
 
 
 def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tracer: OpTracer, *,
-                backward: bool = True, together: bool = False, prelude: LossTape | None = None) -> StepResult:
+                backward: bool = True, together: bool = False, prelude: LossTape | None = None,
+                full_precision: bool = False) -> StepResult:
     """Replay the step's forwards and its loss tape in one graph (inside the tracer and a module stack).
 
     ``prelude``: the step's code before the model's forward, taped; it is replayed too, and the
@@ -151,7 +157,7 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
             for t in floating_tensors((unit.args, unit.kwargs)):
                 shared.add(id(t))
             try:
-                result = run_unit(watched, unit, backward=False)
+                result = run_unit(watched, unit, backward=False, full_precision=full_precision)
             except Exception as exc:
                 return StepResult(None, False, None, exc, outputs_finite)
             outputs_finite = outputs_finite and result.forward_finite
@@ -172,7 +178,7 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
                 tracer.flush()
         decode = _Decoder(replaced, shared, unit_outputs, tracer.externals)
         decode.prelude_values = prelude_values
-        error = _reissue(tape, decode, tracer)
+        error = _reissue(tape, decode, tracer, full_precision=full_precision)
         if error is not None:
             return StepResult(None, False, None, error, outputs_finite)
         tracer.flush()
