@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nantrace
+from origin_markers import points_at
 from nantrace.diagnosis.classify import classify
 from nantrace.localisation.origin import Origin
 from nantrace.localisation.tracer import InputRef, OpInfo, OpRecord, op_name
@@ -45,7 +46,7 @@ class RowScaleSTE(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         (scale,) = ctx.saved_tensors
-        return g / scale  # origin: ste_div
+        return g / scale  # <origin:ste_div>
 
 
 class Quant(nn.Module):
@@ -83,7 +84,7 @@ class XLogX(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         (p,) = ctx.saved_tensors
-        return g * (torch.log(p) + 1)  # origin: xlogx_log
+        return g * (torch.log(p) + 1)  # <origin:xlogx_log>
 
 
 class Entropy(nn.Module):
@@ -144,7 +145,7 @@ class GRL(nn.Module):
         self.register_buffer("progress", torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lam = torch.exp(self.gamma * self.progress) - 1  # origin: grl_lambda
+        lam = torch.exp(self.gamma * self.progress) - 1  # <origin:grl_lambda>
         return GradReverse.apply(x, lam)
 
 
@@ -178,7 +179,7 @@ def _after_warmup(model: nn.Module, step: int) -> None:
 
 # ------------------------------------------------------ gradient normalisation with tensor hooks
 def unit_grad(g: torch.Tensor) -> torch.Tensor:
-    return g / g.norm()  # origin: unit_grad
+    return g / g.norm()  # <origin:unit_grad>
 
 
 class DropPathBlock(nn.Module):
@@ -249,7 +250,7 @@ def _unrouted_expert(model: nn.Module) -> Callable[[int, torch.Generator], tuple
 # -------------------------------------------------------- gradient normalisation with a module hook
 def normalise_grad_input(module: nn.Module, grad_input: tuple[Any, ...],
                          grad_output: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(g / g.norm() if g is not None else None for g in grad_input)  # origin: full_hook
+    return tuple(g / g.norm() if g is not None else None for g in grad_input)  # <origin:full_hook>
 
 
 class GatedAdapter(nn.Module):
@@ -289,7 +290,7 @@ class LinearRNN(nn.Module):
             self.rnn.weight_hh_l0.copy_(4 * torch.eye(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = self.rnn(x)  # origin: rnn
+        out, _ = self.rnn(x)  # <origin:rnn>
         return self.head(out[:, -1])
 
 
@@ -338,12 +339,6 @@ PROGRAMS: dict[str, dict[str, Any]] = {
 }
 
 
-def _line(marker: str) -> str:
-    lines = open(__file__, encoding="utf-8").read().splitlines()
-    (n,) = [i + 1 for i, text in enumerate(lines) if text.rstrip().endswith(f"# origin: {marker}")]
-    return f"test_backward_origins.py:{n}"
-
-
 def _train(name: str, replayable: bool) -> list[nantrace.Incident]:
     program = PROGRAMS[name]
     torch.manual_seed(0)
@@ -370,7 +365,7 @@ def test_a_backward_origin_is_the_users_own_op_and_line(one_thread, name, replay
     (got,) = _train(name, replayable)
     assert (got.step, got.kind, got.phase, got.op, got.module, got.cause, got.action) == (
         BAD_STEP, "nonfinite_grad", want["phase"], want["op"], want["module"], want["cause"], "skipped"), got.summary
-    assert got.source is not None and got.source.replace("\\", "/").rsplit("/", 1)[-1] == _line(want["marker"])
+    assert points_at(got.source, __file__, want["marker"])
 
 
 # ------------------------------------------- a built-in derivative: overflow only with evidence of it

@@ -3,7 +3,6 @@ under ``nantrace.watch`` (zero-intrusive), asserting the exact diagnosis."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -14,17 +13,9 @@ from torch import nn
 
 import nantrace
 from nantrace.storage.runstore import RunStore
+from origin_markers import origin_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-_TAG = re.compile(r"#\s*<origin:([\w-]+)>")
-
-
-def origin_line(tag: str) -> int:
-    with open(__file__, encoding="utf-8") as f:
-        hits = [i for i, line in enumerate(f, 1) for m in _TAG.finditer(line) if m.group(1) == tag]
-    assert len(hits) == 1, tag
-    return hits[0]
 
 
 def train(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: list[Any], *,
@@ -100,7 +91,7 @@ def test_layernorm_of_huge_values_without_history_is_an_overflow_not_zero_varian
     batches = [torch.randn(4, 8)] * 3 + [torch.randn(4, 8) * 1e26]  # an unnormalised batch
     [inc] = train(Net(), lambda m, x: m(x).pow(2).mean(), batches)
     assert where(inc) == ("nonfinite_loss", "forward", "aten.native_layer_norm.default", "norm", "overflow",
-                          origin_line("huge_norm"))
+                          origin_line(__file__, "huge_norm"))
     assert inc.details["evidence"]["eps"] == 1e-5 and "not constant" in inc.summary
 
 
@@ -142,7 +133,7 @@ def _padded(x: torch.Tensor) -> torch.Tensor:
 def test_a_statistic_over_a_constant_or_one_element_slice_is_zero_variance(model, bad, op, tag):
     torch.manual_seed(0)
     [inc] = train(model(), lambda m, x: m(x).pow(2).mean(), [torch.randn(4, 8)] * 3 + [bad()])
-    assert where(inc) == ("nonfinite_loss", "forward", op, "", "zero_variance_norm", origin_line(tag))
+    assert where(inc) == ("nonfinite_loss", "forward", op, "", "zero_variance_norm", origin_line(__file__, tag))
 
 
 # ----------------------------------------------------------------------- ops beyond hand-written lists
@@ -176,7 +167,7 @@ def test_ops_outside_any_list_get_a_cause_from_evidence(model, bad, op, cause, t
     torch.manual_seed(0)
     batches = [torch.randn(4, 8) * 0.01] * 3 + [bad()]
     inc = train(model(), lambda m, x: m(x).mean(), batches)[0]
-    assert where(inc)[2:] == (op, "", cause, origin_line(tag))
+    assert where(inc)[2:] == (op, "", cause, origin_line(__file__, tag))
 
 
 # --------------------------------------------------------------------- class weights zero for every target
@@ -192,7 +183,7 @@ def test_cross_entropy_with_zero_weight_for_every_target_is_a_division_not_a_lab
     only_background = (torch.randn(4, 8), torch.zeros(4, dtype=torch.long))  # every label valid
     [inc] = train(nn.Linear(8, 4), loss, [ok] * 3 + [only_background])
     assert where(inc) == ("nonfinite_loss", "forward", "aten.nll_loss_forward.default", None, "div_by_zero",
-                          origin_line("weighted_ce"))
+                          origin_line(__file__, "weighted_ce"))
     assert "class weights" in inc.summary and inc.details["evidence"]["target_weight_sum"] == 0.0
 
 
@@ -216,7 +207,7 @@ def test_two_overflows_that_combine_name_the_first_that_broke():
         model.a.weight.fill_(1.0)
         model.b.weight.fill_(1.0)
     [inc] = train(model, lambda m, x: m(x).mean(), [torch.randn(4, 8) * 0.1] * 3 + [torch.full((4, 8), 20.0)])
-    assert where(inc) == ("nonfinite_loss", "forward", "aten.exp.default", "", "exp_overflow", origin_line("first_exp"))
+    assert where(inc) == ("nonfinite_loss", "forward", "aten.exp.default", "", "exp_overflow", origin_line(__file__, "first_exp"))
     assert [c["op"] for c in inc.chain if c.get("origin")] == ["aten.exp.default"]
 
 
@@ -266,7 +257,7 @@ def test_an_exception_incident_replays_from_its_bundle_to_the_same_diagnosis(tmp
     assert "index out of range" in str(raised.value)  # the user's exception, unchanged
     [inc] = guard.incidents
     assert where(inc) == ("exception", "forward", "aten.embedding.default", "embed", "label_out_of_range",
-                          origin_line("token_embed"))
+                          origin_line(__file__, "token_embed"))
     again = nantrace.replay(inc.bundle, model=TokenNet())
     assert where(again) == where(inc) and again.transient is False
 

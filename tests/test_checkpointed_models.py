@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import nantrace
+from origin_markers import points_at
 
 BAD_STEP = 3
 
@@ -26,14 +27,14 @@ class SoftGate(nn.Module):
     """sqrt(mean(x^2)) with no eps: finite at 0 in the forward, an infinite derivative there."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sqrt((x ** 2).mean(-1, keepdim=True))  # origin: gate
+        return torch.sqrt((x ** 2).mean(-1, keepdim=True))  # <origin:gate>
 
 
 class QKNorm(nn.Module):
     """x / ||x|| with no eps: 0/0 on an all-zero row in the forward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / x.norm(dim=-1, keepdim=True)  # origin: qknorm
+        return x / x.norm(dim=-1, keepdim=True)  # <origin:qknorm>
 
 
 class Block(nn.Module):
@@ -80,12 +81,6 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _line(marker: str) -> str:
-    lines = open(__file__).read().splitlines()
-    (n,) = [i + 1 for i, text in enumerate(lines) if text.rstrip().endswith(f"# origin: {marker}")]
-    return f"test_checkpointed_models.py:{n}"
-
-
 EXPECTED = {
     # backward origin: both blocks see the zero rows; in backward order blocks.1's sqrt fails first
     "backward": dict(kind="nonfinite_grad", phase="backward", op="aten.sqrt.default", module="blocks.1.gate",
@@ -120,4 +115,4 @@ def test_checkpointed_blocks_are_diagnosed_like_plain_ones(one_thread, origin, r
     want = EXPECTED[origin]
     assert (got.step, got.kind, got.phase, got.op, got.module, got.cause, got.action) == (
         BAD_STEP, want["kind"], want["phase"], want["op"], want["module"], want["cause"], "skipped")
-    assert got.source.replace("\\", "/").rsplit("/", 1)[-1] == _line(want["marker"])
+    assert points_at(got.source, __file__, want["marker"])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -25,18 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import nantrace
+from origin_markers import points_at
 
 FAIL_STEP = 2
 STEPS = 5
-_TAG = re.compile(r"#\s*<origin:([\w-]+)>")
-
-
-def origin_line(tag: str) -> int:
-    """The line of this file marked ``# <origin:tag>``."""
-    with open(__file__, encoding="utf-8") as f:
-        hits = [i for i, line in enumerate(f, 1) for m in _TAG.finditer(line) if m.group(1) == tag]
-    assert len(hits) == 1, tag
-    return hits[0]
 
 
 @dataclasses.dataclass
@@ -425,7 +416,7 @@ def test_a_nan_that_ends_in_an_exception_gets_its_origin_and_cause(name: str, lo
     [inc] = guard.incidents
     assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
         prog.fail_step, "exception", "forward", want.op, want.module, want.cause, "raised"), inc.summary
-    assert inc.source is not None and inc.source.endswith(f"test_exception_evidence.py:{origin_line(want.tag)}")
+    assert points_at(inc.source, __file__, want.tag)
     assert inc.details["exception"].startswith(type(exc).__name__)
 
 
@@ -458,4 +449,4 @@ def test_the_exception_path_and_the_nan_path_agree_on_the_cause(name: str, one_t
     [inc] = guard.incidents
     assert (inc.step, inc.op, inc.module, inc.cause, inc.action) == (
         prog.fail_step, want.op, want.module, want.cause, "skipped"), inc.summary
-    assert inc.source is not None and inc.source.endswith(f"test_exception_evidence.py:{origin_line(want.tag)}")
+    assert points_at(inc.source, __file__, want.tag)

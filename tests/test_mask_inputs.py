@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nantrace
+from origin_markers import points_at
 
 CONFIG = nantrace.Config(outputs={"print_incidents": False})
 BAD_STEP = 3
@@ -48,7 +49,7 @@ class PackedAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, -1)
         scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask
-        return torch.softmax(scores, -1) @ v  # origin: softmax
+        return torch.softmax(scores, -1) @ v  # <origin:softmax>
 
 
 class PackedLM(nn.Module):
@@ -156,12 +157,6 @@ def _packed_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
     return F.cross_entropy(model(tok, mask).flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-def _line(marker: str) -> str:
-    lines = open(__file__).read().splitlines()
-    (n,) = [i + 1 for i, text in enumerate(lines) if text.rstrip().endswith(f"# origin: {marker}")]
-    return f"test_mask_inputs.py:{n}"
-
-
 @pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
 def test_a_fully_masked_pad_row_is_a_masked_softmax_not_bad_data(one_thread, replayable):
     incidents, _ = _train(PackedLM, _packed_batches, _packed_loss, watched=True, replayable=replayable)
@@ -169,7 +164,7 @@ def test_a_fully_masked_pad_row_is_a_masked_softmax_not_bad_data(one_thread, rep
     got = incidents[0]
     assert (got.step, got.kind, got.phase, got.op, got.module, got.cause, got.action) == (
         BAD_STEP, "nonfinite_activation", "forward", "aten._softmax.default", "attn", "masked_softmax_all", "skipped")
-    assert got.source.replace("\\", "/").rsplit("/", 1)[-1] == _line("softmax")
+    assert points_at(got.source, __file__, "softmax")
 
 
 class Regressor(nn.Module):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nantrace
+from origin_markers import points_at
 from nantrace.step_capture import NOGRAD_FORWARDS
 
 BAD_STEP = 3
@@ -24,7 +25,7 @@ CONFIG = nantrace.Config(outputs={"print_incidents": False})
 
 class L2Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / x.norm(dim=-1, keepdim=True)  # origin: l2
+        return x / x.norm(dim=-1, keepdim=True)  # <origin:l2>
 
 
 class Encoder(nn.Module):
@@ -54,7 +55,7 @@ class Policy(nn.Module):
 
 class LogProb(nn.Module):
     def forward(self, p: torch.Tensor) -> torch.Tensor:
-        return torch.log(p)  # origin: logp
+        return torch.log(p)  # <origin:logp>
 
 
 def _fixmatch_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -123,12 +124,6 @@ PROGRAMS = {
 }
 
 
-def _line(marker: str) -> str:
-    lines = open(__file__).read().splitlines()
-    (n,) = [i + 1 for i, text in enumerate(lines) if text.rstrip().endswith(f"# origin: {marker}")]
-    return f"test_nograd_forwards.py:{n}"
-
-
 def _train(program: str, replayable: bool, run_dir=None) -> list[nantrace.Incident]:
     make, loss_fn, batches, _ = PROGRAMS[program]
     torch.manual_seed(0)
@@ -150,7 +145,7 @@ def test_an_origin_in_a_no_grad_forward_is_found_in_the_model(one_thread, progra
     (got,) = _train(program, replayable)
     assert (got.step, got.kind, got.phase, got.op, got.module, got.cause, got.action) == (
         BAD_STEP, want["kind"], want["phase"], want["op"], want["module"], want["cause"], "skipped")
-    assert got.source.replace("\\", "/").rsplit("/", 1)[-1] == _line(want["marker"])
+    assert points_at(got.source, __file__, want["marker"])
 
 
 def test_the_bundle_replays_the_no_grad_forward_the_same_way(one_thread, tmp_path):
@@ -179,7 +174,7 @@ def test_an_evaluation_pass_that_feeds_nothing_is_not_blamed(one_thread):
             if step == BAD_STEP:
                 y[0, 0] = 0.0
             opt.zero_grad()
-            loss = -(y * torch.log(y)).sum() + F.mse_loss(model(x), y)  # origin: entropy
+            loss = -(y * torch.log(y)).sum() + F.mse_loss(model(x), y)  # <origin:entropy>
             loss.backward()
             opt.step()
             with torch.no_grad():
@@ -189,4 +184,4 @@ def test_an_evaluation_pass_that_feeds_nothing_is_not_blamed(one_thread):
     got = incidents[0]
     assert (got.step, got.kind, got.op, got.module, got.cause) == (
         BAD_STEP, "nonfinite_loss", "aten.log.default", None, "log_nonpositive")
-    assert got.source.replace("\\", "/").rsplit("/", 1)[-1] == _line("entropy")
+    assert points_at(got.source, __file__, "entropy")
