@@ -55,3 +55,59 @@ def test_a_bf16_rounding_before_the_log_is_a_precision_overflow(one_thread, repl
     assert (got.step, got.kind, got.op, got.module, got.cause, got.action) == (
         BAD_STEP, "nonfinite_loss", "aten.log.default", None, "precision_overflow", "skipped")
     assert got.details.get("float32_rerun_finite") is True
+
+
+def _bce_own_autocast(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the step's own autocast, as a training_step opens it
+        p = torch.sigmoid(model(x).squeeze(-1))
+        return (-(y * torch.log(p) + (1 - y) * torch.log(1 - p))).float().mean()
+
+
+class _OwnAutocast(nn.Module):
+    """A model whose forward opens its own bfloat16 autocast (and keeps the loss in it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 1, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.sigmoid(self.net(x).squeeze(-1))
+
+
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+@pytest.mark.parametrize("where", ["loss_code", "model_forward"])
+def test_an_autocast_opened_inside_the_replayed_code_is_held_off_in_the_float32_rerun(one_thread, where, replayable):
+    """The float32 re-run turns off every autocast the replayed code opens itself, and leaves the
+    user's autocast objects as they were (training after the incident still runs in bfloat16)."""
+    torch.manual_seed(0)
+    if where == "model_forward":
+        model: nn.Module = _OwnAutocast()
+        inner = model.net
+
+        def loss_of(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            p = m(x)
+            return (-(y * torch.log(p) + (1 - y) * torch.log(1 - p))).float().mean()
+    else:
+        model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 1, bias=False))
+        inner, loss_of = model, _bce_own_autocast
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batches = _batches(inner)
+    dtypes = []
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        loss_fn = guard.replayable(loss_of) if replayable else loss_of
+        for x, y in batches:
+            opt.zero_grad()
+            loss = loss_fn(model, x, y)
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                dtypes.append(inner(x).dtype if where == "loss_code" else model(x).dtype)
+        incidents = list(guard.incidents)
+    (got,) = incidents
+    assert (got.step, got.kind, got.op, got.cause, got.action) == (
+        BAD_STEP, "nonfinite_loss", "aten.log.default", "precision_overflow", "skipped")
+    assert got.details.get("float32_rerun_finite") is True
+    assert torch.is_autocast_enabled("cpu") is False
+    if where == "model_forward":
+        assert set(dtypes) == {torch.bfloat16}  # the model's own autocast still works after the re-run

@@ -89,8 +89,8 @@ def _is_low_precision(watched: "Watched", unit: Any) -> bool:
 
 
 def _saw_low_precision(tracer: OpTracer | None) -> bool:
-    """A non-finite value the replay traced was float16/bfloat16 (autocast entered inside the
-    replayed call, not around it)."""
+    """A value the replay traced was float16/bfloat16 (autocast entered inside the replayed call or
+    the model's forward, not around it)."""
     return tracer is not None and any(r.output is not None and r.output.dtype in LOW_PRECISION for r in tracer.records)
 
 
@@ -207,7 +207,7 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
             incident.details["float32_rerun_finite"] = finite32
         elif observed_in is not None and failing_unit is tape and not together \
                 and watched.config.localisation.precision_check and tape is not None \
-                and _tape_low_precision(watched, tape, units):
+                and (_tape_low_precision(watched, tape, units) or _saw_low_precision(tracer)):
             # the loss code failed (zero-code mode): replay the whole step, forwards and tape, in float32
             with float32_model(watched.root):
                 t32 = replay_step(watched, units, tape, OpTracer(ModuleStack(watched.root), externals),

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..capture import floating_tensors
 from ..loss_tape import LossTape, Ref, tensors_of
 from ..storage.tape_codec import OutputRef, PreludeRef
-from .rerun import _upcast, grad_targets, run_unit
+from .rerun import _upcast, autocast_held_off, grad_targets, run_unit
 from .tracer import OpTracer
 
 if TYPE_CHECKING:
@@ -97,7 +97,8 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precisi
     source line; the values go to ``decode.values``. Returns the exception a call raised.
     ``full_precision``: with autocast off and float16/bfloat16 arguments taken in float32 (the
     float32 re-run that tells a low-precision overflow from a math error)."""
-    contexts = tape.autocast.contexts() if tape.autocast is not None and not full_precision else []
+    contexts: list[Any] = [autocast_held_off()] if full_precision else \
+        (tape.autocast.contexts() if tape.autocast is not None else [])
     with contextlib.ExitStack() as stack:
         for ctx in contexts:
             stack.enter_context(ctx)

@@ -138,6 +138,36 @@ def _upcast(obj: Any) -> Any:
     return obj
 
 
+@contextlib.contextmanager
+def autocast_held_off() -> Iterator[None]:
+    """Autocast off for the block, including every autocast the replayed code enters itself (a
+    ``training_step`` or ``compute_loss`` that opens its own ``torch.autocast``, a model whose
+    forward does): the float32 re-run must run every op in float32, or a bfloat16 rounding would
+    read as a math error. Each such autocast object is left as it was (a decorator reuses one)."""
+    cls = torch.amp.autocast_mode.autocast
+    original = cls.__enter__
+
+    def enter_disabled(self: Any) -> Any:
+        enabled = self._enabled
+        self._enabled = False
+        try:
+            return original(self)
+        finally:
+            self._enabled = enabled
+
+    outer = [torch.autocast("cpu", enabled=False)]
+    if torch.cuda.is_available():
+        outer.append(torch.autocast("cuda", enabled=False))
+    with contextlib.ExitStack() as stack:
+        for ctx in outer:
+            stack.enter_context(ctx)
+        cls.__enter__ = enter_disabled  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            cls.__enter__ = original  # type: ignore[method-assign]
+
+
 def grad_targets(watched: "Watched", roots: list[torch.Tensor]) -> list[torch.Tensor]:
     """The parameters a replay differentiates: the watched ones; under FSDP2 the parameters the
     replayed graph actually used (the unsharded ones FSDP gathered), found by walking the graph
@@ -176,12 +206,7 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
     args, kwargs = unit.args, unit.kwargs
     if full_precision:
         args, kwargs = _upcast(args), _upcast(kwargs)
-    if full_precision:
-        contexts: list[Any] = [torch.autocast("cpu", enabled=False)]
-        if torch.cuda.is_available():
-            contexts.append(torch.autocast("cuda", enabled=False))
-    else:
-        contexts = unit.autocast.contexts()
+    contexts: list[Any] = [autocast_held_off()] if full_precision else unit.autocast.contexts()
     with contextlib.ExitStack() as stack, torch.set_grad_enabled(getattr(unit, "grad_enabled", True)):
         for ctx in contexts:
             stack.enter_context(ctx)
