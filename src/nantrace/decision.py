@@ -125,6 +125,7 @@ class StepJudge:
             local_grads_ok=capture.local_grads_ok,
             scale=getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None,
             grads_scaled=grads_scaled and scaler is not None,
+            host_totals=watched.world_size == 1,  # read at once; nothing of the vector is needed on the device
         )
         ranks = StepRound(watched, self, staged, grad_index) if watched.world_size > 1 else None  # on the device
         local, shared = read(staged, ranks.vector if ranks is not None else None)  # the step's one host read

@@ -155,6 +155,12 @@ class StagedHealth:
     """How many output extremes follow them."""
     exact: bool = False
     """Norms accumulated in float64: a non-finite norm means a non-finite element (no recount)."""
+    host_totals: bool = False
+    """The totals (``vector[1:3]``) are NaN placeholders: :func:`finish` forms them on the host from
+    the per-tensor norms (:func:`stage` with ``host_totals``). Device-side callers never ask for it."""
+    squared: tuple[int, ...] = ()
+    """Indices into the per-tensor values (gradients, then parameters) that are sums of squares,
+    not norms (a ``dot`` whose root is taken on the host)."""
 
     @property
     def loss(self) -> torch.Tensor:
@@ -212,6 +218,7 @@ def stage(
     input_extremes: Sequence[torch.Tensor] = (),
     output_extremes: Sequence[torch.Tensor] = (),
     accumulate: torch.dtype = torch.float32,
+    host_totals: bool = False,
 ) -> StagedHealth:
     """Reduce the step's tensors to one device vector (no host read).
 
@@ -226,10 +233,18 @@ def stage(
     ``accumulate=torch.float64`` makes the norms exact about finiteness (float16/bfloat16/float32
     elements cannot overflow a float64 sum of squares), for a verdict that must be final on the
     device (``sync_free.py``); the vector is float64 then.
+   
+    ``host_totals`` (a caller that reads the vector at once and needs nothing of it on the device:
+    one process on the CPU): the totals are left to :func:`finish` and the large tensors' roots too,
+    so the step's vector is one stack: on a CPU each kernel is a call of several microseconds.
     """
     device = _pick_device(grads, params, losses)
     nan, one = _constants(device)
     exact = accumulate == torch.float64 and device.type != "mps"
+    if host_totals and not exact and device.type == "cpu":
+        return _stage_for_host(grads=grads, params=params, losses=losses, inputs_ok=inputs_ok, outputs_ok=outputs_ok,
+                               local_grads_ok=local_grads_ok, scale=scale, grads_scaled=grads_scaled,
+                               input_extremes=input_extremes, output_extremes=output_extremes, device=device)
     dtype = torch.float64 if exact else torch.float32
     ng = len(grads)
     norms = _norms([*grads, *params], dtype)
@@ -253,6 +268,57 @@ def stage(
     vec = torch.cat([head_vec, nvec]) if nvec is not None else head_vec
     return StagedHealth(vec, grads, params, bool(losses), grads_scaled, gn, pn, exact=exact,
                         n_input_extremes=len(input_extremes), n_output_extremes=len(output_extremes))
+
+
+def _stage_for_host(*, grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], losses: Sequence[torch.Tensor],
+                    inputs_ok: torch.Tensor | None, outputs_ok: torch.Tensor | None,
+                    local_grads_ok: torch.Tensor | None, scale: torch.Tensor | None, grads_scaled: bool,
+                    input_extremes: Sequence[torch.Tensor], output_extremes: Sequence[torch.Tensor],
+                    device: torch.device) -> StagedHealth:
+    """:func:`stage` for a vector read at once on the CPU: the per-tensor values (``dot`` sums of
+    squares for the large tensors, one ``_foreach_norm`` for the rest) and the head in one stack;
+    the roots and the totals are taken by :func:`finish` on the host (float64 there)."""
+    nan, one = _constants(device)
+    tensors = [*grads, *params]
+    if any(map(hasattr, tensors, repeat("to_local"))):
+        tensors = [local(t) for t in tensors]
+    squared: list[int] = []
+    values: list[torch.Tensor] = []
+    if tensors:
+        large = _dot_candidates(tensors)
+        if large and _dot_pays([tensors[i] for i in large]):
+            squared = large
+            values = _squares_and_norms(tensors, large)
+        else:
+            values = _foreach_norms(tensors, torch.float32)
+    head = [
+        _mean_loss(losses, device) if losses else nan, nan, nan,
+        _flag_on(inputs_ok, device, one), _flag_on(outputs_ok, device, one), _flag_on(local_grads_ok, device, one),
+        scale.detach().to(device, torch.float32).reshape(()) if scale is not None else nan,
+    ]
+    vec = torch.stack([*head, *values, *input_extremes, *output_extremes])
+    if vec.dtype != torch.float32:
+        vec = vec.to(torch.float32)
+    ng = len(grads)
+    return StagedHealth(vec, grads, params, bool(losses), grads_scaled, values[:ng], values[ng:],
+                        n_input_extremes=len(input_extremes), n_output_extremes=len(output_extremes),
+                        host_totals=True, squared=tuple(squared))
+
+
+def _squares_and_norms(tensors: Sequence[torch.Tensor], large: list[int]) -> list[torch.Tensor]:
+    """In ``tensors``' order: the ``large`` ones' ``dot`` sums of squares, the rest's norms (one
+    ``_foreach_norm``)."""
+    squares = iter(_sums_of_squares([tensors[i] for i in large]))
+    chosen = set(large)
+    rest = [t for i, t in enumerate(tensors) if i not in chosen]
+    small = iter(_foreach_norms(rest, torch.float32) if rest else ())
+    return [next(squares) if i in chosen else next(small) for i in range(len(tensors))]
+
+
+def _total(norms: list[float]) -> float:
+    """The L2 norm of per-tensor norms, in float64 on the host: NaN if any is NaN, else inf if any is."""
+    total = math.fsum(n * n for n in norms)
+    return math.sqrt(total) if not math.isnan(total) else math.nan
 
 
 def read(staged: StagedHealth, extra: torch.Tensor | None = None) -> tuple[list[float], Any]:
@@ -282,6 +348,13 @@ def finish(staged: StagedHealth, host: list[float]) -> StepHealth:
     end = 7 + len(gn) + len(pn)
     grad_norms = host[7 : 7 + len(gn)]
     param_norms = host[7 + len(gn) : end]
+    if staged.host_totals:
+        for i in staged.squared:  # sums of squares (never negative): the root of NaN is NaN, of inf inf
+            if i < len(gn):
+                grad_norms[i] = math.sqrt(grad_norms[i])
+            else:
+                param_norms[i - len(gn)] = math.sqrt(param_norms[i - len(gn)])
+        gnorm, pnorm = _total(grad_norms), _total(param_norms)
     if staged.n_input_extremes or staged.n_output_extremes:  # the model's inputs and outputs, judged here
         mid = end + staged.n_input_extremes
         in_ok = in_ok and extremes_ok_on_host(host[end:mid])
