@@ -357,7 +357,27 @@ def loop_caught(prog: Program, replayable: bool) -> tuple[nantrace.Guard, BaseEx
     return guard, failures[0][1], failures[0][0]
 
 
-LOOPS = {"with_guard": loop_with_guard, "try_finally": loop_try_finally, "caught": loop_caught}
+def loop_caught_stop(prog: Program, replayable: bool) -> tuple[nantrace.Guard, BaseException, int]:
+    """The loop catches the exception and stops training (``break``); the guard is closed afterwards,
+    when no exception is in flight any more."""
+    guard = nantrace.watch(prog.model, prog.opt, config=_quiet())
+    loss_fn = _loss_code(guard, prog, replayable)
+    failure: tuple[int, BaseException] | None = None
+    try:
+        for step, batch in enumerate(prog.batches):
+            try:
+                _train_step(prog, loss_fn, batch)
+            except Exception as exc:  # log it and stop
+                failure = (step, exc)
+                break
+    finally:
+        guard.close()
+    assert failure is not None
+    return guard, failure[1], failure[0]
+
+
+LOOPS = {"with_guard": loop_with_guard, "try_finally": loop_try_finally, "caught": loop_caught,
+         "caught_stop": loop_caught_stop}
 
 
 def baseline_exception(build: Callable[[], Program]) -> tuple[BaseException, int]:
@@ -417,7 +437,11 @@ def test_a_nan_that_ends_in_an_exception_gets_its_origin_and_cause(name: str, lo
     assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
         prog.fail_step, "exception", "forward", want.op, want.module, want.cause, "raised"), inc.summary
     assert points_at(inc.source, __file__, want.tag)
-    assert inc.details["exception"].startswith(type(exc).__name__)
+    if loop == "caught_stop" and not replayable and want.python_check:
+        # never seen raising: diagnosed at close() as a step abandoned before backward()
+        assert inc.details["exception"] is None and "abandoned" in inc.details
+    else:
+        assert inc.details["exception"].startswith(type(exc).__name__)
 
 
 @pytest.mark.parametrize("loop", list(LOOPS))
@@ -450,3 +474,111 @@ def test_the_exception_path_and_the_nan_path_agree_on_the_cause(name: str, one_t
     assert (inc.step, inc.op, inc.module, inc.cause, inc.action) == (
         prog.fail_step, want.op, want.module, want.cause, "skipped"), inc.summary
     assert points_at(inc.source, __file__, want.tag)
+
+
+# ------------------------------- a covariance that is not positive definite: a Python check reads cholesky_ex's info
+class BatchDensity(nn.Module):
+    """Scores the batch under a Gaussian fitted to it (the batch's own covariance)."""
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        mvn = torch.distributions.MultivariateNormal(  # <origin:mvn_in_model>
+            z.mean(0), covariance_matrix=torch.cov(z.t()), validate_args=True)
+        return -mvn.log_prob(z).mean()
+
+
+class DensityModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.density = BatchDensity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.density(self.embed(x))
+
+
+def density_in_model_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def density_program() -> Program:
+    """At step ``FAIL_STEP`` the last, partial batch has 3 samples for 4 features: the covariance is singular."""
+    torch.manual_seed(0)
+    model = DensityModel()
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randn(3 if step == FAIL_STEP else 32, 6, generator=g) for step in range(STEPS)]
+    return Program(model, torch.optim.SGD(model.parameters(), lr=1e-3), batches, density_in_model_loss)
+
+
+def mvn_loss_code(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    z = model(x)
+    mvn = torch.distributions.MultivariateNormal(z.mean(0), covariance_matrix=torch.cov(z.t()),  # <origin:mvn_loss>
+                                                 validate_args=True)
+    return -mvn.log_prob(z).mean()
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_a_python_check_on_a_failed_decomposition_names_the_decomposition(replayable: bool, loop: str,
+                                                                          one_thread: None) -> None:
+    """torch.distributions' ``positive_definite`` check raises ValueError on finite values after
+    ``linalg_cholesky_ex`` returned a non-zero ``info``: the incident names that decomposition, the
+    module it ran in and the user's line, not just the message."""
+    build = density_program
+    baseline, _ = baseline_exception(build)
+    guard, exc, step = LOOPS[loop](build(), replayable)
+    assert step == FAIL_STEP
+    assert_unchanged(exc, baseline)
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        FAIL_STEP, "exception", "forward", "aten.linalg_cholesky_ex.default", "density", "domain_error", "raised"), \
+        inc.summary
+    assert points_at(inc.source, __file__, "mvn_in_model")
+    assert "PositiveDefinite" in inc.details["exception"] and "not positive definite" in inc.summary
+
+
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_a_failed_decomposition_in_the_loss_code_of_a_step_caught_by_the_loop(replayable: bool,
+                                                                              one_thread: None) -> None:
+    """The same check in the loss code, the loop catches the ValueError and stops: zero-code, nantrace
+    never saw it raise (Python code between two taped calls); close() replays the step that never
+    reached backward() and finds the decomposition whose ``info`` was non-zero."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randn(3 if step == FAIL_STEP else 32, 6, generator=g) for step in range(STEPS)]
+    prog = Program(model, torch.optim.SGD(model.parameters(), lr=1e-3), batches, mvn_loss_code)
+    guard, exc, step = loop_caught_stop(prog, replayable)
+    assert step == FAIL_STEP and isinstance(exc, ValueError)
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        FAIL_STEP, "exception", "forward", "aten.linalg_cholesky_ex.default", None, "domain_error", "raised"), \
+        inc.summary
+    assert points_at(inc.source, __file__, "mvn_loss")
+
+
+def test_a_step_left_before_backward_with_healthy_values_records_nothing(one_thread: None) -> None:
+    """A forward under grad mode that never reaches backward() (an evaluation that forgot no_grad, a
+    loop that stops on an error of its own) is not a numerical failure: close() replays it, finds no
+    bad value, and records nothing."""
+    prog = ppo()
+    guard = nantrace.watch(prog.model, prog.opt, config=_quiet())
+    for batch in prog.batches[:FAIL_STEP]:
+        _train_step(prog, prog.loss_fn, batch)
+    mu, std = prog.model(prog.batches[-1][0])  # grad on, training mode, no backward
+    torch.distributions.Normal(mu, std, validate_args=True)
+    guard.close()
+    assert guard.incidents == []
+
+
+@pytest.mark.parametrize("message, value", [
+    ("Length of all samples has to be greater than 0, but found an element in 'lengths' that is <= 0", True),
+    ("scale must be positive", True),
+    ("probability tensor contains either `inf`, `nan` or element < 0", True),
+    ("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)", False),
+    ("Expected all tensors to be on the same device", False),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+])
+def test_which_messages_read_as_a_value_check(message, value):
+    from nantrace.localisation.exceptions import is_value_message
+
+    assert is_value_message(message) is value

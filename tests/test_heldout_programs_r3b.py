@@ -101,29 +101,7 @@ def _steps(normal: Callable[[int], Any], bad: Callable[[int], Any], n: int = STE
 
 
 CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
-_MASKED_OUTPUT = (
-    "localiser._localise starts from the producer of the FIRST non-finite model output; the policy's first output "
-    "is log_softmax of -inf-masked logits (only -inf, a valid output by capture.extremes_ok), so the origin becomes "
-    "_log_softmax with cause unknown instead of the log(0) behind the NaN entropy (the second output)")
-_TRANSIENT_BWD = (
-    "the first backward record with a non-finite output is taken as the start (localiser._localise, "
-    "next(r for r in tracer.records if r.phase == 'backward')): LinalgVectorNormBackward0 (F.normalize) makes a "
-    "transient 0/0 that it masks to 0 itself; the real first non-finite gradient is PowBackward0 (checked with "
-    "detect_anomaly), so op/line/cause become linalg_vector_norm / gradient_explosion")
-_WN_NAN = (
-    "classify._generic: NaN in float64 -> domain_error before looking for zero operands; the NaN is 0 * g / ||0||, "
-    "a division by the zero norm of the pruned row (div_by_zero, like a cosine of a zero vector)")
-XFAIL: dict[str, str] = {
-    "actor_critic_entropy_of_masked_action[zero_intrusive]": _MASKED_OUTPUT,
-    "bilinear_cnn_signed_sqrt_blank_image[zero_intrusive]": _TRANSIENT_BWD,
-    "bilinear_cnn_signed_sqrt_blank_image[replayable]": _TRANSIENT_BWD,
-    "weight_norm_pruned_zero_direction[zero_intrusive]": _WN_NAN,
-    "weight_norm_pruned_zero_direction[replayable]": _WN_NAN,
-    "sequential_mlp_fp16_autocast_missing_sentinel[zero_intrusive]": (
-        "source is the line of optimizer.step() (where the guard replays the forward): tracer.user_source walks the "
-        "replay's own stack, and a model made only of torch modules has no user frame inside it; the model's call "
-        "site in the loss code is not recorded with the captured forward"),
-}
+XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 
 

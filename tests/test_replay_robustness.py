@@ -102,3 +102,70 @@ def test_a_bundle_of_another_format_says_which_version_it_needs(tmp_path):
     env_path.write_text(json.dumps(env))
     with pytest.raises(ValueError, match="no valid format_version"):
         nantrace.replay(bundle, model=Chatty())
+
+
+def test_a_replay_puts_back_every_tensor_it_wrote_in_place():
+    """``rerun_scope``'s write guard: a parameter the forward updates itself (a momentum encoder), a
+    tensor outside the model that the replayed code fills, and a view of one are put back as they
+    were; what the replay made itself is not kept."""
+    from nantrace.localisation.rerun import WriteGuard
+
+    outside = torch.arange(6.0).reshape(2, 3).clone()
+    param = nn.Parameter(torch.ones(3), requires_grad=False)
+    before = (outside.clone(), param.detach().clone())
+    guard = WriteGuard()
+    with guard:
+        made = torch.zeros(3)
+        made.add_(1.0)  # the replay's own tensor: not kept
+        with torch.no_grad():
+            param.mul_(0.5).add_(2.0)  # two writes: the value before the first is kept
+        outside[1].fill_(-1.0)  # a write into a view keeps its base
+        torch._foreach_mul_([outside], 3.0)
+    assert [t is outside or t is param for t, _ in guard.kept] == [True, True]
+    assert not torch.equal(outside, before[0]) and not torch.equal(param, before[1])
+    guard.restore()
+    assert torch.equal(outside, before[0]) and torch.equal(param.detach(), before[1])
+    assert torch.equal(made, torch.ones(3))
+
+
+def test_a_diagnosis_leaves_a_momentum_encoder_as_a_run_that_skipped_the_step():
+    """MoCo-style: the forward moves a frozen key encoder towards the query encoder in place. The
+    failing step is replayed to diagnose it, and the key encoder must not move a second time."""
+
+    class Momentum(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(4, 4)
+            self.k = nn.Linear(4, 4)
+            for p in self.k.parameters():
+                p.requires_grad_(False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                for pk, pq in zip(self.k.parameters(), self.q.parameters()):
+                    pk.mul_(0.9).add_(pq.detach(), alpha=0.1)
+            return self.q(x) * self.k(x).detach()
+
+    def run(watched: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = Momentum()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) if watched else None
+        g = torch.Generator().manual_seed(1)
+        for step in range(4):
+            x = torch.randn(3, 4, generator=g)
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            if step == 2:
+                loss = loss + torch.log(torch.zeros(()))  # the step fails in the loss code
+            loss.backward()
+            if guard is None and step == 2:
+                continue  # what nantrace does: skip the update
+            opt.step()
+        if guard is not None:
+            assert len(guard.incidents) == 1
+            guard.close()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    plain, watched = run(False), run(True)
+    assert all(torch.equal(plain[k], watched[k]) for k in plain)

@@ -96,6 +96,9 @@ class ForwardRecord:
     outputs: list[Any] = dataclasses.field(default_factory=list)
     """Weak references to the forward's floating outputs, so a replay of the loss code can be
     fed the replayed outputs in their place (one dataflow graph from the model to the loss)."""
+    call_site: str | None = None
+    """The user's line that called the model (``path:LINE``): where a replay attributes the model's
+    ops when no line of the user's own runs inside the model (a bare ``nn.Sequential``)."""
     grad_enabled: bool = True
     """False for a forward run under ``torch.no_grad()`` inside the step (pseudo-labels, a PPO
     policy's old log-probabilities, a DPO reference pass): replayed under no_grad too, so that its
@@ -126,12 +129,12 @@ class StepCapture:
     """
 
     __slots__ = ("losses", "forwards", "calls", "input_extremes", "output_extremes", "inputs_flag", "outputs_flag",
-                 "local_grads_ok", "tape", "prelude")
+                 "local_grads_ok", "tape", "prelude", "gradient_tape")
 
     def __init__(self, losses: list[torch.Tensor] | None = None, forwards: list[ForwardRecord] | None = None,
                  calls: list[CallRecord] | None = None, inputs_ok: torch.Tensor | None = None,
                  outputs_ok: torch.Tensor | None = None, local_grads_ok: torch.Tensor | None = None,
-                 tape: Any = None, prelude: Any = None) -> None:
+                 tape: Any = None, prelude: Any = None, gradient_tape: Any = None) -> None:
         self.losses: list[torch.Tensor] = [] if losses is None else losses
         self.forwards: list[ForwardRecord] = [] if forwards is None else forwards
         self.calls: list[CallRecord] = [] if calls is None else calls
@@ -149,6 +152,9 @@ class StepCapture:
         """The step's :class:`~nantrace.loss_tape.LossTape` (the loss code's calls), when one is kept."""
         self.prelude = prelude
         """The step's code before the model's forward, taped (a prelude :class:`~nantrace.loss_tape.LossTape`)."""
+        self.gradient_tape = gradient_tape
+        """The step's code between ``backward()`` and ``optimizer.step()``, taped (a gradient
+        :class:`~nantrace.loss_tape.LossTape`)."""
 
     def note_inputs(self, tensors: list[torch.Tensor]) -> None:
         """Keep the extremes of the forward's floating inputs (one ``aminmax`` each, no sync)."""
@@ -188,7 +194,8 @@ class StepCapture:
     def with_forwards(self, forwards: list[ForwardRecord]) -> "StepCapture":
         """A copy of this capture with other forward records (e.g. rescaled inputs), the rest shared."""
         out = StepCapture(losses=self.losses, forwards=forwards, calls=self.calls, inputs_ok=self.inputs_flag,
-                          outputs_ok=self.outputs_flag, local_grads_ok=self.local_grads_ok, tape=self.tape)
+                          outputs_ok=self.outputs_flag, local_grads_ok=self.local_grads_ok, tape=self.tape,
+                          gradient_tape=self.gradient_tape)
         out.input_extremes, out.output_extremes = self.input_extremes, self.output_extremes
         return out
 

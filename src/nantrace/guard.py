@@ -624,11 +624,41 @@ class Guard:
         where it was raised (the loop caught it and went on), or one still propagating as the guard
         closes (``close()`` in a ``finally``, where ``sys.exc_info()`` is that exception). Each
         exception is diagnosed once, and left to propagate unchanged."""
+        seen = self._pending_exception is not None
         if self._pending_exception is not None:
             self.diagnose_exception(self._pending_exception)
         in_flight = sys.exc_info()[1]
         if isinstance(in_flight, Exception) and self.recorder.active:
             self.diagnose_exception(in_flight)
+        if not seen and not isinstance(in_flight, Exception):  # an exception nantrace never saw
+            self._diagnose_abandoned_step()
+
+    def _diagnose_abandoned_step(self) -> Incident | None:
+        """The run ends (``close()``) inside a training step that ran the model's forward (grad on, model
+        in training mode) and never reached ``backward()``: a check written in Python (torch.distributions'
+        validation) raised between two taped calls, outside any hook of nantrace's, and the loop caught
+        it. Replayed once, here: an incident (kind ``exception``) only when the replay shows the bad value
+        (a non-finite value created, a decomposition of a singular matrix); a healthy forward records nothing."""
+        capture, rec = self.recorder.capture, self.recorder
+        tape = capture.tape
+        if (not rec.active or capture.losses or (tape is not None and (tape.losses or tape.loss is not None))
+                or not self.root.training or self.sharded or self.closed or self.state.replaying):
+            return None
+        from .localisation.exceptions import diagnose_exception
+
+        incident = self.reporter.new(kind="exception", cause="unknown", summary="", fix="", action=Action.RAISED)
+        try:
+            with torch.no_grad():
+                found = diagnose_exception(self.watched, incident, capture, None, abandoned=True)
+        except Exception:  # evidence, not the user's failure: without it, nothing is recorded
+            return None
+        if not found:
+            return None
+        if self.store is not None and self.config.outputs.save_bundle:
+            self.reporter.write_bundle(incident)
+        self.reporter.record(incident)
+        self.recorder.reset()
+        return incident
 
     def __enter__(self) -> "Guard":
         return self

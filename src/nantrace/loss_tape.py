@@ -10,6 +10,11 @@ earlier call on the tape is kept as a reference to that call's output, not as th
 so the tape holds no intermediate alive: only what the loss code received from outside
 (the model's outputs, the targets), which the user's own frame holds anyway. A replay
 re-issues the calls on copies of those, under the op tracer.
+
+Two more tapes of the same kind: the *prelude* (the step's code before the model's forward) and
+the *gradient tape* (from ``backward()``'s return to ``optimizer.step()``: clipping, gradients
+normalised or averaged by hand), which also keeps ``param.grad`` reads and writes, so that a
+replay can run that code on the replayed gradients (``localisation/gradient_code.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from .localisation.tracer import user_source
 
 MAX_ENTRIES = 256
 """Calls kept per step; a loss computation longer than this is not replayed (said so in the diagnosis)."""
+GRADIENT_ENTRIES = 256
+"""Calls the gradient tape keeps (the code between ``backward()`` and ``optimizer.step()``)."""
 PRELUDE_ENTRIES = 64
 """Calls the prelude keeps (the step's code before the model's forward); when it fills, it starts
 over, so the calls nearest the forward are the ones kept."""
@@ -44,7 +51,8 @@ _READS = frozenset({
 })
 _STOPS = frozenset({"backward"})
 _PLAIN = frozenset({int, float, bool, str, complex, torch.dtype, torch.device})
-_HANDLES = (torch._C.TensorBase.grad, torch._C.TensorBase.data)
+_GRAD = torch._C.TensorBase.grad
+_HANDLES = (_GRAD, torch._C.TensorBase.data)
 """Attributes that hand out a tensor that already exists (a gradient, the storage itself): reading
 them makes nothing a replay could redo, writing them is a side effect; neither is taped."""
 _SIDE_EFFECTS = frozenset({"__set__", "__delete__"})
@@ -58,6 +66,14 @@ class Ref:
 
     entry: int
     slot: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class GradRef:
+    """The gradient of ``param`` as ``backward()`` left it: what a gradient tape holds in place of a
+    tensor read through ``param.grad`` (a replay hands out the replayed gradient instead)."""
+
+    param: torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -124,7 +140,7 @@ def untaped() -> _Untaped:
 class LossTape(TorchFunctionMode):
     """Records the torch calls of one step's loss code; see the module docstring."""
 
-    def __init__(self, limit: int = MAX_ENTRIES, *, prelude: bool = False) -> None:
+    def __init__(self, limit: int = MAX_ENTRIES, *, prelude: bool = False, gradients: bool = False) -> None:
         super().__init__()
         self.limit = limit
         self.prelude = prelude
@@ -132,6 +148,14 @@ class LossTape(TorchFunctionMode):
         rescaled, noise drawn). It keeps weak references to its calls' outputs, so that a replay can
         hand its replayed values to the loss tape, which received the real ones as inputs; when full
         it starts over instead of truncating."""
+        self.gradients = gradients
+        """A gradient tape: the step's code between ``backward()`` and ``optimizer.step()`` (clipping,
+        gradient normalisation, noise, a manual average). It tapes ``param.grad`` reads (as
+        :class:`GradRef`) and writes, which the other tapes leave alone. No RNG or autocast mark is
+        taken (a replay of gradient noise draws other values; finiteness rarely depends on them)."""
+        self._grad_of: dict[int, tuple[torch.Tensor, GradRef]] = {}
+        """Gradient tape: id of each tensor read through ``param.grad`` -> (the tensor, kept alive so
+        the id stays its own until the step ends; its :class:`GradRef`)."""
         self.outputs: list[list[Any]] = []
         """Prelude only: weak references to each call's tensor outputs."""
         self._restarts = 0
@@ -147,6 +171,8 @@ class LossTape(TorchFunctionMode):
         """(index of the call that raised, the exception), when the loss code raised."""
         self._made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._recording = False
+        self._pushed = False
+        """This tape is on the torch-function mode stack (pushed by :meth:`resume`, not yet popped)."""
         self.autocast: AutocastState | None = None
         self.rng_marks: list[tuple[int, RngState]] = []
         """(index of the next call, the RNG state) each time recording starts: a replay restores it there, so
@@ -158,11 +184,14 @@ class LossTape(TorchFunctionMode):
     def resume(self) -> None:
         """Start (or go on) recording: the watched model's forward has just returned (the prelude:
         the step has ended)."""
-        if not self._on_stack():
+        if not self._pushed:
+            # Not "is it on the stack?": inside another mode's handler (backward() called in the loss
+            # code) torch has taken the modes off the stack for the call and puts them back after it.
             torch._C._push_on_torch_function_stack(self)
+            self._pushed = True
         if self.prelude:
             self._mark_due = True  # taken at the first call kept: most steps keep none before their forward
-        else:
+        elif not self.gradients:
             self._mark()
         self._recording = True
 
@@ -183,6 +212,7 @@ class LossTape(TorchFunctionMode):
         self._recording = False
         if self._on_top():
             torch._C._pop_torch_function_stack()
+            self._pushed = False
 
     def _on_top(self) -> bool:
         n = torch._C._len_torch_function_stack()
@@ -203,6 +233,7 @@ class LossTape(TorchFunctionMode):
             above.append(torch._C._pop_torch_function_stack())
         if self._on_top():
             torch._C._pop_torch_function_stack()
+            self._pushed = False
         for mode in reversed(above):
             torch._C._push_on_torch_function_stack(mode)
 
@@ -217,6 +248,8 @@ class LossTape(TorchFunctionMode):
         self.loss = None
         self.losses = []
         self.failed = None
+        if self._grad_of:
+            self._grad_of = {}
         if self._made:  # a fresh table only when the step taped something (most steps of a model-only loss: none)
             self._made = WeakTensorKeyDictionary()
 
@@ -226,8 +259,11 @@ class LossTape(TorchFunctionMode):
         if not self._recording or _Untaped.depth or torch.compiler.is_compiling():
             # a torch.compile'd loss function is traced by dynamo, not taped (its calls run fused, in the graph)
             return func(*args, **kwargs)
-        if getattr(func, "__self__", None) in _HANDLES:  # p.grad / t.data read or written (zero_grad, clipping, EMA)
-            return func(*args, **kwargs)
+        handle = getattr(func, "__self__", None)
+        if handle in _HANDLES:  # p.grad / t.data read or written (zero_grad, clipping, EMA)
+            if not (self.gradients and handle is _GRAD):
+                return func(*args, **kwargs)
+            return self._gradient_access(func, args, kwargs)
         name = _name(func)
         if name.startswith("_record_function"):  # the profiler's markers (every optimizer.zero_grad())
             return func(*args, **kwargs)
@@ -270,6 +306,19 @@ class LossTape(TorchFunctionMode):
             self.outputs.append([weakref.ref(t) for t in outs])
         return out
 
+    def _gradient_access(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A gradient tape's ``param.grad``: a read is remembered (the tensor names the parameter's
+        gradient from now on), a write is kept as a call (a replay sets the replayed parameter's)."""
+        out = func(*args, **kwargs)
+        if _name(func) == "__get__":
+            if isinstance(out, torch.Tensor) and args and id(out) not in self._grad_of and out not in self._made:
+                self._grad_of[id(out)] = (out, GradRef(args[0]))
+        elif len(self.entries) < self.limit:
+            self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(3)))
+        else:
+            self.truncated = True
+        return out
+
     def _start_over(self) -> None:
         """A full prelude forgets its calls and goes on: the calls nearest the forward matter, and
         what they read from before now counts as received from outside."""
@@ -281,7 +330,11 @@ class LossTape(TorchFunctionMode):
 
     def _encode(self, obj: Any, depth: int = 0) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self._made.get(obj, obj)
+            made = self._made.get(obj)
+            if made is not None:
+                return made
+            read = self._grad_of.get(id(obj)) if self._grad_of else None
+            return read[1] if read is not None and read[0] is obj else obj
         if obj is None or type(obj) in _PLAIN:
             return obj
         if self._generators and isinstance(obj, torch.Generator):
@@ -322,7 +375,7 @@ class LossTape(TorchFunctionMode):
 
     @property
     def usable(self) -> bool:
-        if self.prelude:
+        if self.prelude or self.gradients:
             return bool(self.entries) and not self.truncated
         return bool(self.entries) and not self.truncated and (self.loss is not None or self.failed is not None)
 

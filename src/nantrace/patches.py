@@ -199,13 +199,19 @@ def _wrap_backward(original: Callable[..., Any], patch: FunctionPatch) -> Callab
         patch.enter()
         try:
             listeners = patch.listeners()
+            after = []
             if listeners and isinstance(tensors, torch.Tensor) and tensors.numel() == 1 and \
                     tensors.is_floating_point() and not getattr(tensors, "_nantrace_scaled", False):
                 for listener in listeners:
-                    listener(tensors)
+                    then = listener(tensors)
+                    if then is not None:
+                        after.append(then)
             elif not listeners:
                 patch.tidy()
-            return original(tensors, *args, **kwargs)
+            result = original(tensors, *args, **kwargs)
+            for then in after:
+                then()
+            return result
         finally:
             patch.leave()
 
@@ -216,7 +222,8 @@ def _wrap_backward(original: Callable[..., Any], patch: FunctionPatch) -> Callab
 
 
 BACKWARD = FunctionPatch("torch.autograd.backward", _wrap_backward)
-"""Listeners: ``(loss) -> None``, for each scalar floating loss ``backward()`` runs on."""
+"""Listeners: ``(loss) -> None | (() -> None)``, for each scalar floating loss ``backward()`` runs on;
+a callable returned runs when that backward has returned."""
 
 
 # ------------------------------------------------------------------ sys.excepthook

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from .capture import AutocastState, BufferPlan, CallRecord, ForwardRecord, RngState, StepCapture, floating_tensors
-from .loss_tape import PRELUDE_ENTRIES, LossTape, untaped
+from .localisation.tracer import user_source
+from .loss_tape import GRADIENT_ENTRIES, PRELUDE_ENTRIES, LossTape, untaped
 from .watched import Watched
 
 __all__ = ["StepRecorder"]
@@ -59,6 +60,9 @@ class StepRecorder:
         self.prelude = LossTape(PRELUDE_ENTRIES, prelude=True) if cfg.localisation.record_loss_code else None
         """The tape of the step's code before the model's forward (from the end of the previous
         step), so a value the loss code receives from there can be traced to the call that made it."""
+        self.gradient_tape = LossTape(GRADIENT_ENTRIES, gradients=True) if cfg.localisation.record_loss_code else None
+        """The tape of the step's code between ``backward()`` and ``optimizer.step()`` (clipping, a
+        gradient normalised or averaged by hand), so gradients it made non-finite are traced to it."""
         self.buffers = BufferPlan(watched.root, cfg.localisation.snapshot_buffers)
         self._on_exception: Callable[[], Callable[[BaseException], None] | None] = (
             weakref.WeakMethod(on_exception) if hasattr(on_exception, "__self__") else lambda: on_exception
@@ -84,7 +88,9 @@ class StepRecorder:
             self.tape.reset()
         if self.prelude is not None:
             self.prelude.reset()
-        return StepCapture(tape=self.tape, prelude=self.prelude)
+        if self.gradient_tape is not None:
+            self.gradient_tape.reset()
+        return StepCapture(tape=self.tape, prelude=self.prelude, gradient_tape=self.gradient_tape)
 
     def reset(self) -> None:
         """Start the next step's capture."""
@@ -106,6 +112,8 @@ class StepRecorder:
             self.prelude.pause()
         if self.tape is not None:
             self.tape.pause()
+        if self.gradient_tape is not None:
+            self.gradient_tape.pause()
 
     def quiet(self, owner: Any) -> Any:
         """Keep ``owner.zero_grad()`` (an optimizer's or a module's) off the prelude: it only reads
@@ -140,7 +148,7 @@ class StepRecorder:
             self._nograd_kept += 1
         with untaped():  # this guard's work, not another guard's loss code
             record = ForwardRecord(args=args, kwargs=kwargs, rng=RngState.current(), autocast=AutocastState.current(),
-                                   buffers=self.buffers.snapshot(), grad_enabled=grad)
+                                   buffers=self.buffers.snapshot(), grad_enabled=grad, call_site=user_source(2))
             self.capture.forwards.append(record)
             if not grad:
                 self._nograd = record
@@ -186,12 +194,24 @@ class StepRecorder:
             tape.resume()
 
     # ------------------------------------------------------------ the loss
-    def on_loss(self, loss: torch.Tensor) -> None:
-        """A scalar loss ``backward()`` runs on (``nantrace.patches.BACKWARD``)."""
+    def on_loss(self, loss: torch.Tensor) -> Callable[[], None] | None:
+        """A scalar loss ``backward()`` runs on (``nantrace.patches.BACKWARD``); returns what to do
+        when that backward has returned (start the gradient tape)."""
         if self.watched.closed or self.watched.replaying:
-            return
+            return None
         if self.active and (len(_RECORDERS) < 2 or self._reaches_model(loss)):
             self.record_loss(loss)
+            if self.gradient_tape is not None:
+                return self._after_backward
+        return None
+
+    def _after_backward(self) -> None:
+        """``backward()`` has returned: tape the step's code from here to ``optimizer.step()``
+        (after the last backward of an accumulating step: each backward starts it over)."""
+        tape = self.gradient_tape
+        if tape is not None and not self.watched.closed:
+            tape.reset()
+            tape.resume()
 
     def _reaches_model(self, loss: torch.Tensor) -> bool:
         """Whether ``loss``'s graph reaches a parameter of the watched model. With several guards
@@ -253,6 +273,8 @@ class StepRecorder:
         if self.tape is not None:
             self.tape.on_exception = None
             self.tape.detach()
+        if self.gradient_tape is not None:
+            self.gradient_tape.detach()
         self.capture = StepCapture()
 
 

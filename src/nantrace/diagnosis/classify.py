@@ -214,6 +214,12 @@ def _generic(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tenso
                 f"{short} overflowed {name}", facts)
     if bool(torch.isnan(ref_bad).any()):
         facts["float64_nan"] = int(torch.isnan(ref_bad).sum())
+        zero = _zero_divisor(rec, args, kwargs, out.shape, mask)
+        if zero is not None:
+            facts["zero_operand"] = zero[0]
+            return ("div_by_zero", f"NaN in float64 too, and finite once the {zero[1]} zero(s) of {zero[0]} are moved "
+                    f"off 0: {short} divides by a quantity that is 0 there (0/0, e.g. the norm of an "
+                    "all-zero vector)", facts)
         summary = _operand_summary(operands)
         return "domain_error", f"NaN in float64 too: an argument outside {short}'s domain{summary}", facts
     zeros = sum(ev.count(v, lambda x: x == 0) for v in operands.values())
@@ -225,6 +231,44 @@ def _generic(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tenso
     if big > 1e30 or not operands:
         return "overflow", f"the result overflows even float64{f' (operands up to {ev.fmt(big)})' if big else ''}", facts
     return "domain_error", f"infinite in float64 too: a pole of {short}{_operand_summary(operands)}", facts
+
+
+_NUDGE = 1e-30
+"""Where a zero operand is moved to, in float64, to test for a 0/0: far from float64's smallest normal
+even squared, so a norm or a product of two such values stays exact and non-zero."""
+
+
+def _zero_divisor(rec: OpRecord, args: Any, kwargs: Any, shape: torch.Size,
+                  mask: torch.Tensor) -> tuple[str, int] | None:
+    """(operand, zeros) when the op's NaN is a division by a quantity that is 0 at the bad elements:
+    a floating operand is 0 at every bad element it reaches (positionally, when it broadcasts to the
+    output; else anywhere), and the float64 re-run is finite at those elements once its zeros are moved
+    to a tiny non-zero value. A fused op that divides by a norm (``_weight_norm_interface`` on a
+    pruned, all-zero row) thus reads as a division by zero; a real domain error (acos of 1.5, a
+    probability outside [0, 1]) stays NaN when the zeros move, and stays ``domain_error``."""
+    named = [(f"arg{i}", a) for i, a in enumerate(args or ())] + list((kwargs or {}).items())
+    for index, (name, value) in enumerate(named):
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not value.numel():
+            continue
+        x = value.detach().to(torch.float64)
+        try:
+            at_bad = torch.broadcast_to(x, shape)[mask]
+            zeros = ev.count(at_bad, lambda v: v == 0)
+            if zeros != at_bad.numel():
+                continue
+        except RuntimeError:  # not positional (a reduction's input): its zeros anywhere
+            zeros = ev.count(x, lambda v: v == 0)
+        if not zeros:
+            continue
+        nudged = torch.where(x == 0, torch.full_like(x, _NUDGE), x)
+        if index < len(args or ()):
+            new_args, new_kwargs = tuple(nudged if i == index else a for i, a in enumerate(args)), kwargs
+        else:
+            new_args, new_kwargs = args, {**kwargs, name: nudged}
+        moved = ev.recompute(rec.func, new_args, new_kwargs).at(mask)
+        if moved is not None and moved.numel() and bool(torch.isfinite(moved).all()):
+            return name, zeros
+    return None
 
 
 def _operand_summary(operands: dict[str, torch.Tensor]) -> str:

@@ -184,11 +184,11 @@ def _statistic(ctx: RuleContext, t: Any) -> tuple[str, OpInfo] | None:
         if kind in {"linalg_vector_norm", "norm", "frobenius_norm", "_cdist_forward", "cdist"}:
             return "norm", info
         if kind in {"sum", "mean", "count_nonzero"}:
+            inner = _parent(info)
+            if inner is not None and _is_square(inner):  # squares first: all-zero squares look like a 0/1 mask
+                return "rms", inner
             if _is_count(info):
                 return "count", info
-            inner = _parent(info)
-            if inner is not None and _is_square(inner):
-                return "rms", inner
             return None
         if kind not in PASS_THROUGH:
             return None

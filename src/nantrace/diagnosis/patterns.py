@@ -202,13 +202,17 @@ def short_op(op: str | None) -> str:
 
 
 def explain(cause: str, op: str | None = None, *, module: str | None = None,
-            dtype: str | None = None, detail: str = "", max_value: str = "", diverged: bool = False) -> tuple[str, str]:
+            dtype: str | None = None, detail: str = "", max_value: str = "", diverged: bool = False,
+            where: str | None = None) -> tuple[str, str]:
     """(summary, fix) for a diagnosis, filled in from the pattern library.
 
-    ``module`` is only meaningful once the op is localised (``op`` not None).
+    ``module`` is only meaningful once the op is localised (``op`` not None); ``where`` names the
+    place instead (" in the code between ...") when the op ran in neither the model nor the loss code.
     """
     p = AT_END_OF_DIVERGENCE[cause] if diverged and op is not None and cause in AT_END_OF_DIVERGENCE else lookup(cause, op)
-    if op is None:
+    if where is not None:
+        pass
+    elif op is None:
         where = ""
     elif module is None:
         where = " in the loss function (outside the model)"

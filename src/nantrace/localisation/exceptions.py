@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import traceback
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +34,7 @@ from .loss_replay import replay_step
 from .modules import ModuleStack
 from .origin import Origin, chain_summary, trace_back
 from .rerun import rerun_scope, run_unit
-from .tracer import FailedOp, OpRecord, OpTracer, tensor_stats
+from .tracer import FailedOp, OpRecord, OpTracer, _is_library, format_source, tensor_stats
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -42,7 +43,9 @@ if TYPE_CHECKING:
 VALUE_CHECKS = re.compile(
     r"between 0 and 1|probability tensor contains|invalid multinomial|to satisfy the constraint|out of bounds|"
     r"index out of range|out of range|device-side assert|positive.definite|singular|could not be completed|"
-    r"contains (?:nan|inf)|\bnan\b|\binf\b|non-finite|nonfinite|is not finite|converted to type .* without overflow",
+    r"contains (?:nan|inf)|\bnan\b|\binf\b|non-finite|nonfinite|is not finite|converted to type .* without overflow|"
+    r"(?:has|have|must|should) to be (?:greater|larger|less|smaller) than|must be (?:positive|non-negative|"
+    r"nonnegative|greater|less)",
     re.IGNORECASE)
 NOT_VALUES = re.compile(r"out of memory|size mismatch|shapes? .*cannot|must match|expected scalar type|dtype|"
                         r"on the same device|not implemented|unexpected keyword|missing \d+ required", re.IGNORECASE)
@@ -58,11 +61,19 @@ def is_value_message(message: str) -> bool:
     return bool(VALUE_CHECKS.search(message)) and not NOT_VALUES.search(message)
 
 
-def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, exc: BaseException | None) -> bool:
+def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, exc: BaseException | None, *,
+                       abandoned: bool = False) -> bool:
     """Fill ``incident`` (kind ``exception``) from a replay of the step that raised ``exc``.
 
     Returns False when the evidence says the exception has nothing to do with a value: the
     caller then records no incident.
+
+    ``abandoned`` (``exc`` is None): a training step that ran the model's forward and never reached
+    ``backward()`` (nor ``optimizer.step()``): a check written in Python (torch.distributions'
+    validation) raised between two taped calls and the loop caught it, so no exception was seen.
+    Without the exception, the replay itself must show the bad value: a non-finite value created
+    in the step, or a decomposition whose ``info`` reported a singular / non-positive-definite
+    matrix. Anything else (an evaluation forward with grad on, healthy values) returns False.
     """
     from .localiser import externals_of, param_modules
 
@@ -90,15 +101,18 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
         if not outputs_finite:  # the model's own outputs went bad before any check raised
             model_start = next((r for r in tracer.records if r.phase == "forward" and r.out_nan), None)
     error = exc if exc is not None else replay_error
-    if error is None:
+    decompositions = tracer.failed_decompositions if tracer is not None else []
+    if error is None and not abandoned:
         return False
-    message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-    incident.details["exception"] = message
-    incident.transient = False if replay_error is not None or records else None
     evidence = _Evidence(param_modules=param_modules(watched), history=incident.history,
                          divergence_seen=incident.details.get("divergence"))
     if tracer is not None:
         evidence.made_by, evidence.ignored_targets = tracer.made_by, tracer.ignored_targets
+    if error is None:  # an abandoned step: only the replay's own evidence counts
+        return _abandoned(incident, failure, records, evidence, model_start, decompositions)
+    message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    incident.details["exception"] = message
+    incident.transient = False if replay_error is not None or records else None
     cls, origin = _from_evidence(failure, records, evidence, model_start)
     if cls is None:
         # no value evidence: only a torch op's own value check (or a CUDA assert, which cannot be
@@ -109,9 +123,7 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
                 failure is None and not DEVICE_ASSERT.search(message_text) and constraint is None):
             return False
         if constraint is not None and failure is None:  # finite values outside a distribution's support
-            name, dist, rule = constraint.groups()
-            cls = Classification("domain_error", None, None, None, "forward",
-                                 f"the {name} of {dist} violates {rule.strip()}", None, [])
+            cls = _python_check(constraint, decompositions, replay_error, error, tracer)
         else:
             cls = Classification("unknown", failure.op if failure else None, failure.module if failure else None,
                                  failure.source if failure else None, failure.phase if failure else None,
@@ -131,6 +143,80 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
                "and check the model's outputs for NaN.")
     raised_by = f" {short_op(failure.op)} raised" if failure is not None else " the step raised"
     incident.summary = f"{summary} Then{raised_by} {message}"
+    incident.fix = fix
+    if cls.evidence:
+        incident.details["evidence"] = {k: (str(v) if isinstance(v, float) else v) for k, v in cls.evidence.items()}
+    return True
+
+
+def _python_check(constraint: re.Match[str], decompositions: list[Any], replay_error: BaseException | None,
+                  error: BaseException, tracer: OpTracer | None) -> Classification:
+    """A check written in Python (torch.distributions' validation) raised on finite values: name the
+    op whose output it read. A decomposition that reported failure through its ``info`` (the
+    ``positive_definite`` check's ``cholesky_ex``) is that op; otherwise the op that made the checked
+    value (found in the replayed check's frame); at least the user's line of the call that raised."""
+    name, dist, rule = constraint.groups()
+    detail = f"the {name} of {dist} violates {rule.strip()}"
+    if decompositions:
+        return _decomposition(decompositions[-1], detail=f"{detail}: ")
+    made = _checked_value_maker(replay_error, tracer)
+    if made is not None:
+        return Classification("domain_error", made.op, made.module, made.source, "forward", detail, None, [])
+    return Classification("domain_error", None, None, raising_source(error), "forward", detail, None, [])
+
+
+def _decomposition(made: Any, detail: str = "") -> Classification:
+    """``domain_error`` at a decomposition (Cholesky, inverse, LU, LDL, solve) of a singular or
+    non-positive-definite matrix."""
+    a = next((x for x in (made.args or ()) if isinstance(x, torch.Tensor)), None)
+    facts: dict[str, Any] = {}
+    return Classification("domain_error", made.op, made.module, made.source, "forward",
+                          detail + matrix_detail(a, facts), str(a.dtype).removeprefix("torch.") if a is not None else None,
+                          [tensor_stats(a, "arg0")] if a is not None else [], facts)
+
+
+def _checked_value_maker(error: BaseException | None, tracer: OpTracer | None) -> Any:
+    """The forward op that made the value a Python check rejected: the ``value`` local of the
+    innermost torch frame of the replay's own exception (torch.distributions names it so), looked
+    up in the tracer's provenance."""
+    if error is None or tracer is None:
+        return None
+    for frame, _ in reversed(list(traceback.walk_tb(error.__traceback__))):
+        value = frame.f_locals.get("value") if _is_library(frame.f_code.co_filename) else None
+        if isinstance(value, torch.Tensor):
+            return tracer.made_by.get(value)
+    return None
+
+
+def raising_source(error: BaseException | None) -> str | None:
+    """``path:LINE`` of the user's innermost frame in ``error``'s traceback: the call that raised."""
+    if error is None:
+        return None
+    for frame, line in reversed(list(traceback.walk_tb(error.__traceback__))):
+        if not _is_library(frame.f_code.co_filename):
+            return format_source(frame.f_code.co_filename, line)
+    return None
+
+
+def _abandoned(incident: "Incident", failure: FailedOp | None, records: list[OpRecord], evidence: _Evidence,
+               model_start: OpRecord | None, decompositions: list[Any]) -> bool:
+    """Fill ``incident`` for a step abandoned before ``backward()`` from what its replay showed."""
+    cls, origin = _from_evidence(failure, records, evidence, model_start)
+    if cls is None and decompositions:
+        cls = _decomposition(decompositions[-1])
+    if cls is None:
+        return False
+    incident.details["exception"] = None
+    incident.details["abandoned"] = ("the step ran the model's forward and never reached backward() nor "
+                                     "optimizer.step(): its exception was raised in Python code and caught by the loop")
+    incident.transient = False
+    incident.op, incident.module, incident.source = cls.op, cls.module, cls.source
+    incident.phase, incident.cause, incident.input_stats = cls.phase, cls.cause, cls.stats
+    if origin is not None:
+        incident.chain = chain_summary(origin)
+    summary, fix = explain(cls.cause, cls.op, module=cls.module, dtype=cls.dtype, detail=cls.detail)
+    incident.summary = (f"{summary} The step then stopped before backward(): a value check (e.g. torch.distributions' "
+                        "argument validation) raised, and the loop went on without it.")
     incident.fix = fix
     if cls.evidence:
         incident.details["evidence"] = {k: (str(v) if isinstance(v, float) else v) for k, v in cls.evidence.items()}
@@ -263,12 +349,7 @@ def _outside_domain(failure: FailedOp) -> Classification | None:
     """A validating op that raised on finite values outside its domain."""
     short = short_op(failure.op)
     if short == "_linalg_check_errors" and failure.parents and failure.parents[0] is not None:
-        made = failure.parents[0]  # the decomposition whose info code the check raised on
-        a = next((x for x in (made.args or ()) if isinstance(x, torch.Tensor)), None)
-        facts: dict[str, Any] = {}
-        return Classification("domain_error", made.op, made.module, made.source, "forward", matrix_detail(a, facts),
-                              str(a.dtype).removeprefix("torch.") if a is not None else None,
-                              [tensor_stats(a, "arg0")] if a is not None else [], facts)
+        return _decomposition(failure.parents[0])  # the decomposition whose info code the check raised on
     if not is_value_message(str(failure.error)):
         return None
     x = next((a for a in failure.args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)

@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..capture import CallRecord, StepCapture, floating_tensors
+from ..capture import CallRecord, ForwardRecord, StepCapture, floating_tensors
 from ..diagnosis.classify import LOW_PRECISION, Classification, classify
 from ..diagnosis.patterns import explain
 from .modules import ModuleStack
-from .origin import Origin, chain_summary, trace_back
+from .origin import Origin, backward_start, chain_summary, trace_back
 from ..loss_tape import unread_nograd_forwards
-from .loss_replay import replay_step
-from .rerun import float32_model, rerun_scope, run_unit
+from .gradient_code import replay_gradient_code, replayed_gradients
+from .loss_replay import replay_step, trace_prelude_inputs
+from .rerun import float32_model, output_ok, rerun_scope, run_unit
 from .tracer import OpRecord, OpTracer
 
 if TYPE_CHECKING:
@@ -94,6 +95,19 @@ def _saw_low_precision(tracer: OpTracer | None) -> bool:
     return tracer is not None and any(r.output is not None and r.output.dtype in LOW_PRECISION for r in tracer.records)
 
 
+def _unmasked_minus_inf(tracer: OpTracer, observed: list[torch.Tensor]) -> int | None:
+    """The first output that passes the capture's rule (finite or ``-inf``) but holds a ``-inf`` no
+    mask made: the replay traces it to an op (a log of 0, an overflow), not to a ``-inf`` fill or a
+    mask passed in. The capture could not tell it from a mask; the replay can."""
+    for i, t in enumerate(observed):
+        if not t.numel() or not output_ok(t) or not bool(torch.isneginf(t.detach()).any()):
+            continue
+        rec = tracer.producer.get(t)
+        if rec is not None and not trace_back(rec).intentional_inf:
+            return i
+    return None
+
+
 def _tape_low_precision(watched: "Watched", tape: Any, units: list[Any]) -> bool:
     """The loss code ran under autocast, or the model or its inputs are float16/bfloat16."""
     return bool(tape.autocast is not None and tape.autocast.low_precision) or any(
@@ -119,11 +133,14 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
     loss_error: str | None = None
     tracer: OpTracer | None = None
     finite32: bool | None = None
+    minus_inf_output: int | None = None  # the failing output held only a -inf no mask made
     tape = capture.tape if not replayable else None
     # The loss was non-finite while the model's outputs were finite: the loss code is where it began.
     loss_side = incident.kind == "nonfinite_loss" and outputs_finite is True and tape is not None and tape.usable
     together = lockstep is not None
     unread = set() if together else unread_nograd_forwards(capture.tape, capture.prelude, units)
+    unit_grads: dict[int, torch.Tensor] = {}  # the step's gradients as backward() left them, replayed
+    gradient_code = None
     with rerun_scope(watched):
         for index, unit in enumerate(units):
             if observed_in is not None:  # found (lockstep only): keep replaying with the other ranks
@@ -139,17 +156,21 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
                     tracer.flush()
             except Exception as exc:  # the user's code raised on re-run: the step cannot be replayed
                 raise NotReplayable(exc) from exc
+            replayed_gradients(unit_grads, result.grads)
             if not result.forward_finite:
                 observed_in = "forward"
-                bad = [t for t in result.observed if not bool(torch.isfinite(t).all())]
+                bad = [t for t in result.observed if not output_ok(t)]  # NaN or +inf: a -inf mask is valid
                 start = next((tracer.producer.get(t) for t in bad if tracer.producer.get(t) is not None), None)
+            elif (minus_inf_output := _unmasked_minus_inf(tracer, result.observed)) is not None:
+                observed_in = "forward"
+                start = tracer.producer.get(result.observed[minus_inf_output])
             elif loss_side:
                 continue
             elif result.output_grads_finite is False and outputs_finite is not False:
                 observed_in = "loss_function"
             elif result.grads_finite is False:
                 observed_in = "backward"
-                start = next((r for r in tracer.records if r.phase == "backward"), None)
+                start = backward_start(tracer.records)
             else:
                 continue
             failing_unit = unit
@@ -191,10 +212,22 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
                 start = tracer.producer.get(taped.loss)
             elif taped.grads_finite is False:
                 observed_in, failing_unit = "backward", tape
-                start = next((r for r in tracer.records if r.phase == "backward"), None)
+                start = backward_start(tracer.records)
         elif observed_in == "loss_function" and tape is not None:
             incident.details["loss_code"] = ("not replayable: " + ("more than the tape's limit of calls"
                                              if tape.truncated else "the loss code left no tape"))
+        grad_tape = capture.gradient_tape
+        if observed_in is None and loss_error is None and not together and not watched.sharded \
+                and incident.kind == "nonfinite_grad" and grad_tape is not None and grad_tape.usable and unit_grads:
+            # Forward, loss and backward replay finite: the code between backward() and step() is left.
+            tracer = OpTracer(ModuleStack(watched.root), externals)
+            gradient_code = replay_gradient_code(watched, grad_tape, unit_grads, tracer)
+            incident.details["gradient_code_replayed"] = len(grad_tape.entries)
+            if gradient_code.error is not None:
+                incident.details["gradient_code_error"] = f"{type(gradient_code.error).__name__}: {gradient_code.error}"
+            elif not gradient_code.finite:
+                observed_in, start, failing_unit = "gradient_code", gradient_code.start, None
+                incident.details["gradient_code_made_nonfinite"] = gradient_code.bad
         incident.details["ops_replayed"] = tracer.ops_seen if tracer is not None else 0
         if together and observed_in is not None and failing_unit is not None and failing_unit is not tape \
                 and watched.config.localisation.precision_check and _is_low_precision(watched, failing_unit):
@@ -203,7 +236,8 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
                 and (_is_low_precision(watched, failing_unit) or _saw_low_precision(tracer)):
             with float32_model(watched.root):
                 r32 = run_unit(watched, failing_unit, full_precision=True, backward=observed_in == "backward")
-            finite32 = r32.forward_finite and r32.grads_finite is not False
+            finite32 = r32.forward_finite and r32.grads_finite is not False and (
+                minus_inf_output is None or bool(torch.isfinite(r32.observed[minus_inf_output]).all()))
             incident.details["float32_rerun_finite"] = finite32
         elif observed_in is not None and failing_unit is tape and not together \
                 and watched.config.localisation.precision_check and tape is not None \
@@ -238,11 +272,36 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
         incident.details["localisation"] = "the non-finite value was observed but no traced op produced it"
         return
     origin = trace_back(start)
+    if origin.external is not None and origin.external.external == "input" and not together \
+            and isinstance(failing_unit, (ForwardRecord, CallRecord)) and capture.prelude is not None \
+            and capture.prelude.usable:
+        made = _made_before_forward(watched, capture, failing_unit, externals)
+        if made is not None:
+            origin, tracer = made
     cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=param_modules(watched),
                    ignored_targets=tracer.ignored_targets if tracer is not None else None,
                    made_by=tracer.made_by if tracer is not None else None, history=incident.history,
                    divergence_seen=incident.details.get("divergence"))
     _apply(incident, cls, origin, replayable=replayable)
+    if observed_in == "gradient_code" and cls.cause not in ("nonfinite_param", "nonfinite_input"):
+        _in_gradient_code(incident, cls, gradient_code.bad if gradient_code is not None else [])
+
+
+def _made_before_forward(watched: "Watched", capture: StepCapture, unit: Any,
+                         externals: dict[int, str]) -> tuple[Origin, OpTracer] | None:
+    """The origin of a non-finite model input that the step's own code made before the forward
+    (features standardised by the batch's std, boxes encoded, targets rescaled), found by replaying
+    the prelude: the batch itself is blamed only when no taped call made that input."""
+    if unit is None or capture.prelude is None:
+        return None
+    bad = [t for t in floating_tensors((unit.args, unit.kwargs)) if not bool(torch.isfinite(t).all())]
+    tracer = OpTracer(ModuleStack(watched.root), dict(externals))
+    with rerun_scope(watched), tracer.modules, tracer:
+        start = trace_prelude_inputs(capture.prelude, bad, tracer)
+    if start is None:
+        return None
+    origin = trace_back(start)
+    return (origin, tracer) if origin.external is None and origin.record is not None else None
 
 
 def _apply(incident: "Incident", cls: Classification, origin: Origin, *, replayable: bool) -> None:
@@ -291,6 +350,20 @@ def _in_loss_function(incident: "Incident") -> None:
                         "finite again when the model is replayed): it arose in the loss computation outside the model.")
     incident.fix = ("Wrap the loss computation with guard.replayable(loss_fn) so nantrace can replay it "
                     "and name the op and line.")
+
+
+def _in_gradient_code(incident: "Incident", cls: Classification, bad: list[str]) -> None:
+    """The origin is an op of the code between ``backward()`` and ``optimizer.step()``: the
+    gradients were finite when the backward returned (the replay says so) and that code made them
+    non-finite. Phase ``backward`` (the step's gradients), no module (no forward was running)."""
+    incident.phase = "backward"
+    incident.module = None
+    names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    summary, fix = explain(cls.cause, cls.op, dtype=cls.dtype, detail=cls.detail,
+                           where=" in the code between backward() and optimizer.step()")
+    incident.summary = (f"The gradients were finite when backward() returned at step {incident.step}; the code between "
+                        f"backward() and optimizer.step() made {names or 'them'} non-finite. {summary}")
+    incident.fix = fix
 
 
 def _loss_code_not_replayed(incident: "Incident", error: str | None) -> None:

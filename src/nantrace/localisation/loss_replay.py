@@ -23,7 +23,7 @@ from ..capture import floating_tensors
 from ..loss_tape import LossTape, Ref, tensors_of
 from ..storage.tape_codec import OutputRef, PreludeRef
 from .rerun import _upcast, autocast_held_off, grad_targets, run_unit
-from .tracer import OpTracer
+from .tracer import OpRecord, OpTracer
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -136,6 +136,24 @@ def _replay_prelude(prelude: LossTape, tracer: OpTracer, *,
             if real is not None and id(real) not in exclude:
                 out[id(real)] = value
     return out, decode.values
+
+
+def trace_prelude_inputs(prelude: LossTape, inputs: list[torch.Tensor], tracer: OpTracer) -> OpRecord | None:
+    """Where the step's own code before the forward made a non-finite model input: replay the
+    prelude under ``tracer`` and return the traced op that made the replayed value of the first of
+    ``inputs`` (real, non-finite forward arguments) that a prelude call produced; None when none
+    did (the batch came so from the data) or the replay of that value is finite."""
+    made = {id(ref()) for refs in prelude.outputs for ref in refs if ref() is not None}
+    wanted = [t for t in inputs if id(t) in made]
+    if not wanted:
+        return None
+    by_id, _ = _replay_prelude(prelude, tracer, exclude=set())
+    tracer.flush()
+    for t in wanted:
+        replayed = by_id.get(id(t))
+        if replayed is not None and not bool(torch.isfinite(replayed).all()):
+            return tracer.producer.get(replayed)
+    return None
 
 
 def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tracer: OpTracer, *,

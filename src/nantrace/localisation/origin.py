@@ -67,6 +67,26 @@ def _inf_sources(op: OpRecord) -> list[tuple[OpRecord | InputRef, list[OpRecord]
     return found
 
 
+def backward_start(records: list[OpRecord]) -> OpRecord | None:
+    """Where to start the origin rule for a failure seen in the gradients: the first backward op
+    whose non-finite output reached what was observed. A value that went no further (masked by an
+    op with a finite result, as a norm's derivative masks its own 0/0, and read by no later record)
+    is no origin. The values left non-finite at the end (the gradients returned, and what read them)
+    are the sinks; every record they were made from, through non-finite inputs, is live. Without a
+    live backward op, the first backward op with a non-finite output."""
+    consumed = {id(ref.producer) for r in records for ref in r.inputs if ref.producer is not None}
+    live: set[int] = set()
+    stack = [r for r in records if not r.absorbed and id(r) not in consumed]
+    while stack:
+        r = stack.pop()
+        if id(r) in live:
+            continue
+        live.add(id(r))
+        stack.extend(ref.producer for ref in r.inputs if ref.producer is not None and id(ref.producer) not in live)
+    first = next((r for r in records if r.phase == "backward" and id(r) in live), None)
+    return first if first is not None else next((r for r in records if r.phase == "backward"), None)
+
+
 def trace_back(start: OpRecord) -> Origin:
     """Apply the origin rule from ``start`` (the op where the failure was observed)."""
     path = [start]

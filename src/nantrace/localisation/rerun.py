@@ -15,14 +15,19 @@ import contextlib
 import dataclasses
 import io
 import logging
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..capture import CallRecord, ForwardRecord, RngState, floating_tensors
+from ..capture import CallRecord, ForwardRecord, RngState, extremes_ok_on_host, floating_tensors
+from .tracer import replay_site
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -39,24 +44,78 @@ class UnitResult:
     grads_finite: bool | None
     output_grads_finite: bool | None
     error: str | None = None
+    grads: dict[int, torch.Tensor] | None = None
+    """The replayed gradient of each parameter (by ``id``) when the backward ran: what ``backward()``
+    left in ``.grad`` for this unit, before any code of the step changed it."""
 
 
 @contextlib.contextmanager
 def rerun_scope(watched: "Watched") -> Iterator[None]:
-    """Save RNG and buffers, mark the guard as replaying; restore everything on exit."""
+    """Save RNG and buffers, mark the guard as replaying; restore everything on exit, including
+    every tensor from before the replay that the replayed code wrote in place (:class:`WriteGuard`)."""
     rng = RngState.current()
     buffers = {n: b.detach().clone() for n, b in watched.root.named_buffers()}
     was_training = watched.root.training
+    writes = WriteGuard() if not watched.sharded else contextlib.nullcontext()
     try:
-        with watched.replay(), _eager(), _checkpoint_inline(), _silenced():
+        with watched.replay(), _eager(), _checkpoint_inline(), _silenced(), writes:
             yield
     finally:
+        if isinstance(writes, WriteGuard):
+            writes.restore()
         watched.root.train(was_training)
         with torch.no_grad():
             for n, b in watched.root.named_buffers():
                 if n in buffers and b.shape == buffers[n].shape:
                     b.copy_(buffers[n])
         rng.restore()
+
+
+class WriteGuard(TorchDispatchMode):
+    """Keeps a replay's in-place writes from outlasting it: the first time an op writes in place
+    into a tensor the replay did not make (a parameter a forward updates itself, MoCo's momentum
+    key encoder; an EMA teacher outside the watched model that a replayed loss function updates; a
+    tensor of the user's that the loss code fills), its value is kept, and :meth:`restore` puts it
+    back. Tensors the replay made (every op's output) are its own to write. A write into a view
+    keeps the view's base. Off under FSDP2, whose collectives write into buffers they resize."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kept_ids: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func._schema.is_mutable:
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(t, torch.Tensor):
+                        self._keep(t)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made[t] = True
+        return out
+
+    def _keep(self, t: torch.Tensor) -> None:
+        base = t._base if t._is_view() and t._base is not None else t
+        if base in self.made or id(base) in self._kept_ids or not base.numel():
+            return
+        self._kept_ids.add(id(base))
+        self.kept.append((base, base.detach().clone()))
+
+    def restore(self) -> None:
+        """Put back every tensor the replay wrote in place, newest write first."""
+        with torch.no_grad():
+            for t, value in reversed(self.kept):
+                if t.shape == value.shape:
+                    t.copy_(value)
+        self.kept.clear()
+        self._kept_ids.clear()
 
 
 @contextlib.contextmanager
@@ -190,6 +249,16 @@ def grad_targets(watched: "Watched", roots: list[torch.Tensor]) -> list[torch.Te
     return list(found.values())
 
 
+def output_ok(t: torch.Tensor) -> bool:
+    """A replayed output judged by the capture's own rule (``capture.extremes_ok``): its maximum is
+    finite (no NaN, no +inf); ``-inf`` entries (a log-softmax of masked logits, ``-inf`` logits on
+    invalid actions) are valid. An output the real step accepted is never the failing one."""
+    if not t.numel():
+        return True
+    lo, hi = torch.aminmax(t.detach())
+    return extremes_ok_on_host([float(lo), float(hi)])
+
+
 def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, backward: bool = True,
              together: bool = False) -> UnitResult:
     """Replay one unit from its recorded state. Call inside :func:`rerun_scope`.
@@ -210,12 +279,13 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
     with contextlib.ExitStack() as stack, torch.set_grad_enabled(getattr(unit, "grad_enabled", True)):
         for ctx in contexts:
             stack.enter_context(ctx)
+        stack.enter_context(replay_site(sys._getframe(), getattr(unit, "call_site", None)))
         if isinstance(unit, CallRecord):
             result = unit.fn(*args, **kwargs)
         else:
             result = watched.root(*args, **kwargs)
     observed = floating_tensors(result)
-    forward_finite = all(bool(torch.isfinite(t).all()) for t in observed)
+    forward_finite = all(output_ok(t) for t in observed)
     if together and backward:
         return _backward_together(watched, unit, observed, forward_finite, full_precision)
     if not forward_finite or not backward:
@@ -229,7 +299,8 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
         return UnitResult(observed, True, None, output_grads_finite, error="no gradient to replay")
     grads = torch.autograd.grad(roots, params, grad_outputs=grad_outputs, allow_unused=True)
     grads_finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
-    return UnitResult(observed, True, grads_finite, output_grads_finite)
+    return UnitResult(observed, True, grads_finite, output_grads_finite,
+                      grads={id(p): g for p, g in zip(params, grads) if g is not None})
 
 
 def _roots(unit: Unit, observed: list[torch.Tensor], full_precision: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:

@@ -9,12 +9,14 @@ ops are attributed to the forward op, module and source line they run for.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import functools
 import os
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,10 +82,31 @@ def _is_library(name: str) -> bool:
     return ours or name.startswith(_TORCH_DIR)
 
 
+_REPLAY_SITES: list[tuple[Any, str | None]] = []
+"""(frame, call site) of each replay in progress (:func:`replay_site`)."""
+
+
+@contextlib.contextmanager
+def replay_site(frame: Any, call_site: str | None) -> Iterator[None]:
+    """Inside the block, a search for the user's line that reaches ``frame`` (the replay's own
+    entry) answers ``call_site`` (the line that called the model in the real step) instead of going
+    on into the frames that called the replay: a model made only of torch modules (an
+    ``nn.Sequential``) has no line of its own, and the frames beyond the replay are the guard's
+    hook and the user's ``optimizer.step()``, which issued no op of the model."""
+    _REPLAY_SITES.append((frame, call_site))
+    try:
+        yield
+    finally:
+        _REPLAY_SITES.pop()
+
+
 def user_source(skip: int = 2) -> str | None:
     """The innermost frame outside torch and nantrace: the user's line that issued the op."""
     frame = sys._getframe(skip)
+    stop = _REPLAY_SITES[-1] if _REPLAY_SITES else None
     while frame is not None:
+        if stop is not None and frame is stop[0]:
+            return stop[1]
         if not _is_library(frame.f_code.co_filename):
             return format_source(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
@@ -213,6 +236,10 @@ class OpRecord:
     user_code: bool = False
     """A backward-phase op the user's code issued (a custom Function's backward, a hook), not a
     built-in derivative: it is judged as the op itself, at its own source line."""
+    absorbed: bool = False
+    """An op with a finite floating output read this op's non-finite output (a ``where``, a
+    ``masked_fill_``, an overwrite): there the value was masked or dropped. With no later record
+    reading it, it went nowhere (``origin.backward_start``)."""
 
     @property
     def in_nan(self) -> bool:
@@ -247,6 +274,9 @@ class OpRecord:
         }
 
 
+_SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
+                         "randint_like", "new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided"})
+"""Ops that read only a tensor's shape and dtype: a finite result of theirs masks nothing."""
 _NLL_FORWARD = {"nll_loss_forward", "nll_loss2d_forward"}
 _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "fsdp", "_dtensor"})
 """Namespaces of the ops FSDP2 and DTensor issue to move values between ranks (all-gather,
@@ -314,6 +344,11 @@ class OpTracer(TorchDispatchMode):
         """The user's line to attribute forward ops to, when they are re-issued by nantrace (the loss tape)."""
         self.ignored_targets: tuple[int, int] | None = None
         """(count, ignore_index) of the last forward NLL loss whose targets were all ignored."""
+        self.failed_decompositions: list[OpInfo] = []
+        """Forward decompositions that reported failure through their ``info`` output instead of raising
+        (``linalg_cholesky_ex``, ``linalg_inv_ex``, ``linalg_ldl_factor_ex``, ``linalg_lu_factor_ex``,
+        ``linalg_solve_ex``): a check written in Python (torch.distributions' ``positive_definite``) reads
+        that code and raises on finite values; the last one is the op to name."""
 
     # The mode is switched off while its own __torch_dispatch__ runs, so the checks
     # below do not recurse into it.
@@ -349,8 +384,11 @@ class OpTracer(TorchDispatchMode):
             source = hand if node is not None else self.source_override or user_source(3)
             info = OpInfo(op=name, module=module, source=source, index=self.index, args=kept[0], kwargs=kept[1],
                           func=func, parents=[self.made_by.get(a) for a in args if isinstance(a, torch.Tensor)])
-            if node is None and func._schema.name.split("::")[-1] in _NLL_FORWARD:
+            short = func._schema.name.split("::")[-1]
+            if node is None and short in _NLL_FORWARD:
                 self._note_ignored_targets(args)
+            elif short.endswith("_ex"):
+                self._note_info_code(func, out, info)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
         if info is not None:
             grad_mode = torch.is_grad_enabled()
@@ -361,6 +399,8 @@ class OpTracer(TorchDispatchMode):
                     self.made_by[t] = info  # integer outputs too (an info code, a count)
         bad = [t for t in outs if t.numel() and not _all_finite(t)]
         if not bad:
+            if outs and len(self.producer):
+                self._note_absorbed(func, args, kwargs, pre)
             return out
         out_nan = any(bool(torch.isnan(t).any()) for t in bad)
         out_inf = any(bool(torch.isinf(t).any()) for t in bad)
@@ -396,6 +436,18 @@ class OpTracer(TorchDispatchMode):
         self.records.append(record)
         return out
 
+    def _note_absorbed(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       pre: dict[int, tuple[bool, bool]] | None) -> None:
+        """A finite result read non-finite values a record made: they were masked there (a derivative
+        that computes a 0/0 and fills it with 0 itself, as the norm's does) or overwritten."""
+        if func._schema.name.split("::")[-1] in _SHAPE_ONLY:
+            return
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                rec = self.producer.get(t)
+                if rec is not None and (pre is None or pre.get(id(t), (True, True)) != (False, False)):
+                    rec.absorbed = True
+
     def _note_ignored_targets(self, args: tuple[Any, ...]) -> None:
         # A summed NLL over targets that are all ignore_index is a finite 0; the division
         # by the number of labels that follows (Hugging Face's loss) is then 0/0.
@@ -403,6 +455,16 @@ class OpTracer(TorchDispatchMode):
         ignore = args[4] if len(args) > 4 and isinstance(args[4], int) else -100
         if isinstance(target, torch.Tensor) and target.numel() and bool((target == ignore).all()):
             self.ignored_targets = (int(target.numel()), ignore)
+
+    def _note_info_code(self, func: Any, out: Any, info: OpInfo) -> None:
+        """Keep a decomposition whose ``info`` output is non-zero (a singular or non-positive-definite
+        matrix): replays only, one read of a small integer tensor per ``*_ex`` call."""
+        names = [r.name for r in func._schema.returns]
+        if "info" not in names or not isinstance(out, (tuple, list)) or len(out) != len(names):
+            return
+        code = out[names.index("info")]
+        if isinstance(code, torch.Tensor) and code.numel() and bool((code != 0).any()):
+            self.failed_decompositions.append(info)
 
     def flush(self) -> None:
         """Link ops to the autograd nodes that autograd attached to their outputs.
