@@ -378,3 +378,85 @@ def test_a_state_that_decayed_to_zero_in_an_optimizer_without_eps_is_its_state(o
     assert (incident.kind, incident.phase, incident.op, incident.module, incident.cause, incident.action) == (
         "nonfinite_param", "optimizer", "aten.div.Tensor", "0", "optimizer_state", "skipped")
     assert "acc" in incident.fix and "eps" in incident.fix
+
+
+@pytest.mark.parametrize("impl, op", [
+    (dict(foreach=False), "aten.addcdiv_.default"),
+    (dict(foreach=True), "aten._foreach_addcdiv_.ScalarList"),
+    (dict(fused=True), "aten._fused_adamw_.default"),
+], ids=["for_loop", "foreach", "fused"])
+def test_an_update_kernel_that_writes_its_arguments_is_named(one_thread, impl, op):
+    """AdamW with eps=0 on an embedding's padding row (its gradient is always zero): 0/0 in the
+    update. The foreach and fused kernels return nothing and write the parameters in place: the
+    replay of the update still names them (``update_replay._written``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, padding_idx=0), nn.Flatten(), nn.Linear(12, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=0.0, **impl)
+    g = torch.Generator().manual_seed(1)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        for _ in range(2):
+            x = torch.randint(0, 10, (8, 3), generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), torch.randn(8, 1, generator=g)).backward()
+            opt.step()
+        incident = next(i for i in guard.incidents if i.action != "logged")
+    assert (incident.step, incident.kind, incident.phase, incident.op, incident.module, incident.cause,
+            incident.action) == (0, "nonfinite_param", "optimizer", op, "0", "optimizer_state", "skipped"), \
+        incident.summary
+
+
+class _EpsFreeAdafactorRow(torch.optim.Optimizer):
+    """A factored second moment without eps: p -= lr * g * rsqrt_(row mean of g**2), in place."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                r = (p.grad * p.grad).mean(dim=-1, keepdim=True)
+                r.rsqrt_()
+                p.sub_(group["lr"] * p.grad * r)
+
+
+def test_an_in_place_root_of_a_zero_is_a_division_by_zero(one_thread):
+    """``rsqrt_`` overwrites its zeros with inf: the replay counts them before the op runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, padding_idx=0), nn.Flatten(), nn.Linear(12, 1))
+    opt = _EpsFreeAdafactorRow(model.parameters())
+    g = torch.Generator().manual_seed(1)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        x = torch.randint(0, 10, (8, 3), generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), torch.randn(8, 1, generator=g)).backward()
+        opt.step()
+        incident = next(i for i in guard.incidents if i.action != "logged")
+    assert (incident.step, incident.kind, incident.phase, incident.op, incident.module) == (
+        0, "nonfinite_param", "optimizer", "aten.rsqrt_.default", "0"), incident.summary
+    assert incident.cause == "div_by_zero" and "zeros in the denominator" in incident.summary, incident.summary
+
+
+def test_a_failed_update_is_undone_in_every_parameter_group(one_thread):
+    """Two groups; the head's learning rate turns NaN (a schedule's 0/0) while the trunk's update is
+    proven finite: the whole step is undone, the trunk's weights and momentum included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        for step in range(3):
+            x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            if step == 2:
+                opt.param_groups[1]["lr"] = float("nan")
+                before = [p.detach().clone() for p in model.parameters()]
+                momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+            opt.step()
+        (incident,) = [i for i in guard.incidents if i.action != "logged"]
+    assert (incident.step, incident.kind, incident.phase, incident.action) == (2, "nonfinite_param", "optimizer", "skipped")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, opt.state[p]["momentum_buffer"]) for a, p in zip(momentum, model.parameters()))

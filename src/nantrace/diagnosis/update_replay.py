@@ -115,12 +115,22 @@ class _OpWatch(TorchDispatchMode):
         for t in inputs:
             came_from |= self.sources.get(t, frozenset())
         stats = [tensor_stats(t, f"input[{i}]") for i, t in enumerate(inputs)] if self.origin is None else []
+        short = _short(op_name(func))
+        position = _DIVISIONS.get(short)
+        denominator = args[position] if position is not None and position < len(args) else None
+        # read before the op: an in-place op (rsqrt_, a foreach addcdiv_) overwrites what it divided by
+        zeros = _zeros(denominator) if denominator is not None and self.origin is None else 0
+        denominator_sources = set().union(*(self.sources.get(t, frozenset()) for t in _tensors(denominator))) \
+            if denominator is not None else set()
+        written = _written(func, args, kwargs)
         out = func(*args, **kwargs)
-        for t in _tensors(out):
+        for t in [*_tensors(out), *written]:
             self.sources[t] = frozenset(came_from | self.sources.get(t, frozenset()))
         if len(self.chain) >= _CHAIN_LIMIT:
             return out
-        after = [_nonfinite(t) for t in _tensors(out)]
+        # what the op wrote: its outputs, and the arguments it writes in place (foreach and fused
+        # optimizer kernels return nothing)
+        after = [_nonfinite(t) for t in [*_tensors(out), *written]]
         nan, inf = any(a[0] for a in after), any(a[1] for a in after)
         if not (nan or inf):
             return out
@@ -130,18 +140,26 @@ class _OpWatch(TorchDispatchMode):
                 "source": user_source(1), "produces": "NaN" if nan else "Inf", "origin": False}
         if self.origin is None and creates:
             item["origin"] = True
-            short = _short(name)
-            position = _DIVISIONS.get(short)
-            denominator = args[position] if position is not None and position < len(args) else None
             self.origin = {"op": name, "source": item["source"], "short": short, "stats": stats,
-                           "zeros": _zeros(denominator) if position is not None else 0,
-                           "denominator_sources": set().union(*(self.sources.get(t, frozenset()) for t in _tensors(denominator)))
-                           if denominator is not None else set(),
+                           "zeros": zeros, "denominator_sources": denominator_sources,
                            "negatives": sum(s.get("negatives", 0) for s in stats[:1]),
                            "dtype": next((t.dtype for t in _tensors(out)), None), "nan": nan, "inf": inf}
         if self.origin is not None:
             self.chain.append(item)
         return out
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place (its schema's mutable arguments, tensor lists included)."""
+    if not func._schema.is_mutable:
+        return []
+    out: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out.extend(_tensors(value))
+    return out
 
 
 def _replica(optimizer: torch.optim.Optimizer, param: torch.Tensor, dtype: torch.dtype | None = None

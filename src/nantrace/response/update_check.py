@@ -142,6 +142,10 @@ class UpdateCheck:
             self._reasons.append(reason or "the update could not be bounded")
             for p in group["params"]:
                 self._save(p)
+        if self._reasons:  # a failed update is undone whole: the proven groups' parameters are copied too
+            for group, _, _ in self._proven:
+                for p in group["params"]:
+                    self._save(p)
         pool, self._pool = self._pool, {}  # only this step's buffers stay (none when all is proven)
         self._copies = [self._buffer(pool, i, t) for i, t in enumerate(self._sources)]
         if self._copies:
