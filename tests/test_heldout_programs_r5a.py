@@ -56,15 +56,10 @@ JUDGE = Judge(__file__)
 CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
 DIVERGING: set[str] = set()
 """Cases whose expected step is the divergence rule's step (computed from the plain run)."""
-_UNWATCHED = ("guard.py:110-113 fixes the watched parameter list at watch(): only the optimizer's parameters with "
-              "requires_grad at that time; a parameter unfrozen later or added by add_param_group is not in it, so "
-              "UpdateCheck names it 'param[-1]' (update_check._save: index -1) and update_replay.optimizer_incident "
-              "(watched.params[failure.param_index]) replays the update of the LAST watched parameter instead: "
-              "'a replay ... stayed finite', op/module/source lost")
+_UNWATCHED = ("a parameter added by add_param_group after watch() is not among the watched parameters (the list is "
+              "made at watch(), every optimizer parameter then, frozen ones included): UpdateCheck names it 'param[-1]' "
+              "and update_replay.optimizer_incident replays another parameter's update: op/module/source lost")
 XFAIL: dict[str, str] = {
-    **{f"adafactor_eps0_unfrozen_embedding_padding_rows[{m}]": _UNWATCHED for m in MODES},
-    **{f"gpt_adamw_eps0_foreach_unfrozen_token_embedding[{m}]": _UNWATCHED for m in MODES},
-    **{f"text_classifier_fused_adam_eps0_unfrozen_encoder_padding_idx[{m}]": _UNWATCHED for m in MODES},
     **{f"continual_learning_param_group_added_with_inf_lr[{m}]": _UNWATCHED for m in MODES},
 }
 """name[mode] -> why nantrace is still wrong on it (a strict xfail). Fixed since they were written (tests in

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from itertools import compress
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -248,8 +249,14 @@ def gradients(params: Sequence[torch.Tensor], full_index: list[int] | None = Non
     beyond the list of gradients. Missing or sparse gradients take the per-parameter path.
     """
     grads = list(map(_GRAD, params))
-    if not any(map(_IS_NONE, grads)) and not any(map(_IS_SPARSE, grads)):
+    missing = any(map(_IS_NONE, grads))
+    if not missing and not any(map(_IS_SPARSE, grads)):
         return grads, full_index if full_index is not None else list(range(len(grads)))
+    if missing:  # frozen or unused parameters: C-level filters, still no Python loop body
+        index = list(compress(range(len(grads)), map(_IS_NOT_NONE, grads)))
+        present = [grads[i] for i in index]
+        if not any(map(_IS_SPARSE, present)):
+            return present, index
     grads, index = [], []
     for i, p in enumerate(params):
         g = p.grad
@@ -268,6 +275,10 @@ _IS_SPARSE = operator.attrgetter("is_sparse")
 
 def _IS_NONE(x: object) -> bool:  # noqa: N802 - used as a map function, like the getters above
     return x is None
+
+
+def _IS_NOT_NONE(x: object) -> bool:  # noqa: N802
+    return x is not None
 
 
 def incident_from_finding(watched: Watched, finding: Finding, health: StepHealth, grads: list[torch.Tensor],

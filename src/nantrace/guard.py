@@ -108,8 +108,11 @@ class Guard:
         """The step, closed and replaying flags (shared with the read-only view)."""
 
         names = {id(p): n for n, p in self.root.named_parameters()}
-        params = _optimizer_params(optimizer) if optimizer is not None else list(self.root.parameters())
-        params = [p for p in params if p.requires_grad]
+        # Every parameter the optimizer steps, frozen ones included: a layer unfrozen later (LoRA, a
+        # fine-tune's gradual unfreezing) must be checked from its first gradient on. A parameter
+        # without a gradient in a step is skipped by that step's check.
+        params = _optimizer_params(optimizer) if optimizer is not None else \
+            [p for p in self.root.parameters() if p.requires_grad]
         param_names = [names.get(id(p), f"param[{i}]") for i, p in enumerate(params)]
         self.sharded = any(hasattr(p, "to_local") for p in params)
         """Parameters are DTensor shards (FSDP2): norms are combined across ranks; every rank replays together."""

@@ -42,7 +42,8 @@ class DetectionConfig(SettingsGroup):
     float32/float64 are proven finite from the step's gradient and parameter norms at no cost (with
     ``check_params=False`` there is no parameter norm, so they are checked too); any other update
     costs one copy of its parameters and state before it and one fused check after it
-    (docs/benchmarks.md)."""
+    (docs/benchmarks.md); when one group cannot be proven, every group is copied, so a failed update
+    is undone whole."""
 
     check_inputs: bool = True
     """Check floating-point tensors passed to the watched model's ``forward``."""

@@ -288,7 +288,8 @@ def _texts(watched: "Watched", failure: "UpdateFailure", replay: UpdateReplay, s
                    "e.g. eps=1e-4), or keep the optimizer state and a master copy of the weights in float32 "
                    "(torch.autocast with float32 weights instead of model.half()).")
         else:
-            fix = "Give the optimizer a positive eps (the usual 1e-8): an entry whose exp_avg_sq is 0 is divided by it."
+            fix = (f"Give the optimizer a positive eps (the usual 1e-8): an entry whose "
+                   f"{replay.denominator_state or 'second-moment state'} is 0 is divided by it.")
     elif cause == "optimizer_state" and replay.denominator_state:
         fix = (f"The update divides by its state {replay.denominator_state}, which reached exactly 0 (a parameter "
                "whose gradient stayed 0 long enough for the running average to decay to 0): add a small positive "
@@ -323,7 +324,9 @@ def optimizer_incident(watched: "Watched", failure: "UpdateFailure", history: Se
     kind = "nonfinite_param" if failure.nonfinite_params else "optimizer_state"
     cause = replay.cause if replay.reproduced else "optimizer_state"
     eps = group.get("eps")
-    eps_note = eps_problem(float(eps), param.dtype) if isinstance(eps, (int, float)) else None
+    # one eps, or several (Adafactor's (eps1, eps2)): the first its dtype cannot hold
+    eps_note = next((note for e in (eps if isinstance(eps, (tuple, list)) else (eps,))
+                     if isinstance(e, (int, float)) and (note := eps_problem(float(e), param.dtype))), None)
     if cause == "div_by_zero" and replay.denominator_state is not None and (eps_note or "eps" not in group):
         # a denominator from the optimizer's state, with an eps its dtype cannot hold or none at all
         # (a hand-written RMSProp whose accumulator decayed to exactly 0): the state's fault
