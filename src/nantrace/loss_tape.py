@@ -137,6 +137,16 @@ def untaped() -> _Untaped:
     return _UNTAPED
 
 
+_GRADIENT_TAPES: "weakref.WeakSet[LossTape]" = weakref.WeakSet()
+"""Every live gradient tape (:func:`recording_gradient_tapes`)."""
+
+
+def recording_gradient_tapes() -> list["LossTape"]:
+    """The gradient tapes recording now: a library call of many small ops on the gradients (a
+    ``clip_grad_norm_``) is kept by them as one call (:meth:`LossTape.keep_call`), its own ops untaped."""
+    return [t for t in _GRADIENT_TAPES if t.recording] if _GRADIENT_TAPES else []
+
+
 class LossTape(TorchFunctionMode):
     """Records the torch calls of one step's loss code; see the module docstring."""
 
@@ -156,6 +166,8 @@ class LossTape(TorchFunctionMode):
         self._grad_of: dict[int, tuple[torch.Tensor, GradRef]] = {}
         """Gradient tape: id of each tensor read through ``param.grad`` -> (the tensor, kept alive so
         the id stays its own until the step ends; its :class:`GradRef`)."""
+        if gradients:
+            _GRADIENT_TAPES.add(self)
         self.outputs: list[list[Any]] = []
         """Prelude only: weak references to each call's tensor outputs."""
         self._restarts = 0
@@ -318,6 +330,19 @@ class LossTape(TorchFunctionMode):
         else:
             self.truncated = True
         return out
+
+    def keep_call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+                  source: str | None) -> None:
+        """Keep ``func(*args, **kwargs)``, which ran untaped and returned ``out``, as one call (a
+        ``clip_grad_norm_`` reads and scales every gradient in some 5 ops per parameter: taped op by
+        op it would cost more than the step's own check). A replay calls it again on its stand-ins."""
+        if len(self.entries) >= self.limit:
+            self.truncated = True
+            return
+        index = len(self.entries)
+        self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), source))
+        for slot, t in enumerate(tensors_of(out)):
+            self._made[t] = Ref(index, slot)
 
     def _start_over(self) -> None:
         """A full prelude forgets its calls and goes on: the calls nearest the forward matter, and

@@ -63,7 +63,8 @@ DECLARED: tuple[Declared, ...] = (
              "'raise'|'pause') to the end of the process"),
     Declared("torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_, "
              "torch.nn.utils.clip_grads_with_norm_",
-             "the clipping monitor sees the pre-clip norm (Config.dynamics.clip_stats)", "while a clip monitor is attached"),
+             "the clipping monitor sees the pre-clip norm (Config.dynamics.clip_stats); while a gradient tape records, "
+             "the clip is kept on it as one call", "while a clip monitor is attached"),
     Declared("GradScaler.scale, .unscale_, .step on the watched scaler instance",
              "the scaled loss, whether gradients were unscaled, and the decision before scaler.step",
              "while the guard watching that scaler is open"),

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..localisation.tracer import user_source
+from ..loss_tape import recording_gradient_tapes, untaped
 from ..patches import CLIP_FUNCTIONS
 from ._common import SafeMonitor
 from ._readback import DeferredRead, stack_on
@@ -78,7 +80,15 @@ def clipping_wrapper(original: Callable[..., Any], patch: Any, kind: str) -> Cal
                 patch.tidy()
                 return original(*args, **kwargs)
             args, params = _materialise(args, kwargs)
-            out = original(*args, **kwargs)
+            tapes = recording_gradient_tapes()
+            if tapes:  # one call on the gradient tape, not the clip's own ops
+                with untaped():
+                    out = original(*args, **kwargs)
+                source = user_source(2)
+                for tape in tapes:
+                    tape.keep_call(original, args, kwargs, out, source)
+            else:
+                out = original(*args, **kwargs)
             max_norm = _arg(args, kwargs, names, "max_norm", None)
             if kind == "norm":
                 norm_type, total = _arg(args, kwargs, names, "norm_type", 2.0), out
