@@ -95,8 +95,9 @@ def clipping_wrapper(original: Callable[..., Any], patch: Any, kind: str) -> Cal
             else:
                 norm_type, total = 2.0, _arg(args, kwargs, names, "total_norm", None)
             if isinstance(total, torch.Tensor) and max_norm is not None:
-                for listener in listeners:
-                    listener(params, float(max_norm), float(norm_type), total)
+                with untaped():  # nantrace's own work, not the step's
+                    for listener in listeners:
+                        listener(params, float(max_norm), float(norm_type), total)
             return out
         finally:
             patch.leave()
