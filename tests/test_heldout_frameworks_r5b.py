@@ -260,10 +260,6 @@ class Rows(torch.utils.data.Dataset):
 
 CASES: dict[str, tuple[Callable[[Path, bool], Outcome], Want]] = {}
 XFAIL: dict[str, str] = {
-    "pl_manual_gan_discriminator_first_submodule_called_directly_blank_sample":
-        "module None: an op of a watched submodule (self.discriminator) called from the loss code is replayed "
-        "from the loss tape as a bare torch call with no module context (loss_tape.Entry keeps func/args/source "
-        "only; loss_replay._reissue sets tracer.source_override but the ModuleStack sees no module running)",
     "hf_compute_loss_calls_submodules_directly_empty_query":
         "nonfinite_grad/unknown: the watched model's own forward never runs (compute_loss calls "
         "model.query_encoder/model.doc_encoder), so StepRecorder.active is False, on_loss does not record the "

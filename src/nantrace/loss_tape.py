@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,6 +35,8 @@ from .localisation.tracer import user_source
 
 MAX_ENTRIES = 256
 """Calls kept per step; a loss computation longer than this is not replayed (said so in the diagnosis)."""
+_MODULE_FRAMES = 12
+"""Frames a kept call looks through for a running submodule's ``forward``."""
 GRADIENT_ENTRIES = 256
 """Calls the gradient tape keeps (the code between ``backward()`` and ``optimizer.step()``)."""
 PRELUDE_ENTRIES = 64
@@ -91,6 +94,9 @@ class Entry:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     source: str | None
+    module: str | None = None
+    """The watched model's submodule whose forward issued the call (``self.discriminator(x)`` in the
+    loss code), or None for the loss code's own calls."""
 
 
 def _name(func: Any) -> str:
@@ -185,6 +191,9 @@ class LossTape(TorchFunctionMode):
         self._recording = False
         self._pushed = False
         """This tape is on the torch-function mode stack (pushed by :meth:`resume`, not yet popped)."""
+        self.module_paths: dict[int, str] = {}
+        """``id`` of each submodule of the watched model -> its path (set by the recorder for the loss
+        tape): the module a kept call ran in (:attr:`Entry.module`)."""
         self.autocast: AutocastState | None = None
         self.rng_marks: list[tuple[int, RngState]] = []
         """(index of the next call, the RNG state) each time recording starts: a replay restores it there, so
@@ -297,7 +306,8 @@ class LossTape(TorchFunctionMode):
             out = func(*args, **kwargs)
         except Exception as exc:
             if name not in _READS and len(self.entries) < self.limit and not self.prelude:
-                self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2)))
+                self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2),
+                                          self._running_module()))
                 self.failed = (len(self.entries) - 1, exc)
                 if self.on_exception is not None:
                     self.on_exception(exc)
@@ -311,7 +321,8 @@ class LossTape(TorchFunctionMode):
             self.truncated = True
             return out
         index = len(self.entries)
-        self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2)))
+        self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2),
+                                  self._running_module()))
         for slot, t in enumerate(outs):
             self._made[t] = Ref(index, slot)
         if self.prelude:
@@ -330,6 +341,24 @@ class LossTape(TorchFunctionMode):
         else:
             self.truncated = True
         return out
+
+    def _running_module(self) -> str | None:
+        """The innermost submodule of the watched model whose ``forward`` is running (a frame named
+        ``forward`` whose ``self`` is one of them), when the model's paths are known; None in the
+        loss code's own calls. Only frames named ``forward`` are opened, a few per call kept."""
+        paths = self.module_paths
+        if not paths:
+            return None
+        frame = sys._getframe(2)
+        for _ in range(_MODULE_FRAMES):
+            if frame is None:
+                return None
+            if frame.f_code.co_name == "forward" and frame.f_code.co_varnames[:1] == ("self",):
+                path = paths.get(id(frame.f_locals.get("self")))
+                if path is not None:
+                    return path
+            frame = frame.f_back
+        return None
 
     def keep_call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
                   source: str | None) -> None:
@@ -394,7 +423,8 @@ class LossTape(TorchFunctionMode):
                     positions[id(t)] = OutputRef(u, i)
         light = copy.copy(self)
         if positions:
-            light.entries = [Entry(e.func, _name_outputs(e.args, positions), _name_outputs(e.kwargs, positions), e.source)
+            light.entries = [Entry(e.func, _name_outputs(e.args, positions), _name_outputs(e.kwargs, positions), e.source,
+                                   e.module)
                              for e in self.entries]
         return light
 

@@ -69,6 +69,7 @@ class StepRecorder:
         )  # the guard owns the recorder: hold its method weakly, so a dropped guard is freed at once
         if self.tape is not None:
             self.tape.on_exception = self._exception
+            self.tape.module_paths = {id(m): name for name, m in watched.root.named_modules() if name}
         if self.prelude is not None:
             _PRELUDES.add(self.prelude)
         _RECORDERS.add(self)

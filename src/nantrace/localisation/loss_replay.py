@@ -107,6 +107,7 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precisi
             if index in marks:
                 marks[index].restore()
             tracer.source_override = entry.source
+            tracer.module_override = entry.module
             try:
                 args, kwargs = decode(entry.args), decode(entry.kwargs)
                 if full_precision:
@@ -115,7 +116,7 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precisi
             except Exception as exc:
                 return exc
             finally:
-                tracer.source_override = None
+                tracer.source_override = tracer.module_override = None
             decode.values.append(tensors_of(out))
     return None
 

@@ -342,6 +342,9 @@ class OpTracer(TorchDispatchMode):
         """The op that raised during the replay (a failure that raises instead of producing NaN)."""
         self.source_override: str | None = None
         """The user's line to attribute forward ops to, when they are re-issued by nantrace (the loss tape)."""
+        self.module_override: str | None = None
+        """The submodule a re-issued call ran in (a watched submodule called from the loss code), used
+        when no module of the replay is running."""
         self.ignored_targets: tuple[int, int] | None = None
         """(count, ignore_index) of the last forward NLL loss whose targets were all ignored."""
         self.failed_decompositions: list[OpInfo] = []
@@ -380,7 +383,10 @@ class OpTracer(TorchDispatchMode):
             self.flush()
         if node is None or hand:
             # an op of the user's own code: a forward op, or one a hook or custom backward issued
-            module = self.modules.current if node is None else self._backward_module(node)
+            if node is None:  # "" is the model itself: only no running module at all takes the override
+                module = self.modules.current if self.modules.current is not None else self.module_override
+            else:
+                module = self._backward_module(node)
             source = hand if node is not None else self.source_override or user_source(3)
             info = OpInfo(op=name, module=module, source=source, index=self.index, args=kept[0], kwargs=kept[1],
                           func=func, parents=[self.made_by.get(a) for a in args if isinstance(a, torch.Tensor)])

@@ -187,7 +187,7 @@ def encode_tape(tape: LossTape, forwards: list[Any], prelude: LossTape | None = 
 
 def _entries(tape: LossTape, outputs: dict[int, tuple[int, int]], prelude: dict[int, tuple[int, int]] | None) -> list[Any]:
     return [{"func": function_name(e.func), "args": _encode(e.args, outputs, 0, prelude),
-             "kwargs": _encode(e.kwargs, outputs, 0, prelude), "source": e.source} for e in tape.entries]
+             "kwargs": _encode(e.kwargs, outputs, 0, prelude), "source": e.source, "module": e.module} for e in tape.entries]
 
 
 def _marks(tape: LossTape) -> dict[str, Any]:
@@ -213,7 +213,7 @@ def _decode_calls(tape: LossTape, data: dict[str, Any]) -> LossTape:
     for item in data["entries"]:
         args = _decode(item["args"])
         tape.entries.append(Entry(resolve(item["func"]), tuple(args) if isinstance(args, (list, tuple)) else (),
-                                  _decode(item["kwargs"]) or {}, item.get("source")))
+                                  _decode(item["kwargs"]) or {}, item.get("source"), item.get("module")))
     tape.rng_marks = [(int(i), RngState(cpu=state, cuda=None)) for i, state in data.get("rng_marks", [])]
     ac = data.get("autocast")
     if ac:
