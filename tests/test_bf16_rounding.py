@@ -55,6 +55,8 @@ def test_a_bf16_rounding_before_the_log_is_a_precision_overflow(one_thread, repl
     assert (got.step, got.kind, got.op, got.module, got.cause, got.action) == (
         BAD_STEP, "nonfinite_loss", "aten.log.default", None, "precision_overflow", "skipped")
     assert got.details.get("float32_rerun_finite") is True
+    # nothing overflowed: the summary says what rounded, not "overflowed bfloat16 (3.4e38 max)"
+    assert "rounded in bfloat16" in got.summary and "overflowed" not in got.summary, got.summary
 
 
 def _bce_own_autocast(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -146,6 +146,11 @@ def _forward_cause(rec: OpRecord, ctx: RuleContext) -> Verdict:
         if verdict is not None and verdict[0] == "overflow":
             return verdict
     if dtype in LOW_PRECISION and _fits_float32(ref_bad, ctx.low_precision_finite):
+        if ref_bad is not None and not bool(torch.isfinite(ref_bad).all()):
+            facts["rounded_upstream"] = True  # the op's own inputs fail in float64 too: nothing overflowed here
+            bits = {torch.float16: 11, torch.bfloat16: 8}.get(dtype)
+            return "precision_overflow", f"its inputs already carry the rounding: {str(dtype).removeprefix('torch.')} " \
+                f"keeps {bits} significant bits", facts
         return "precision_overflow", f"{str(dtype).removeprefix('torch.')} max is {torch.finfo(dtype).max:g}", facts
 
     for family, rule in FORWARD_RULES:

@@ -177,6 +177,17 @@ AT_END_OF_DIVERGENCE: dict[str, Pattern] = {p.cause: p for p in (
 )}
 
 
+PRECISION_ROUNDING = Pattern(
+    "precision_overflow", (),
+    "{op} failed on a value that rounded in {dtype} (a sigmoid that rounds to exactly 1, a variance that cancels "
+    "to 0 or below); the step replayed in float32 is finite{where}{detail}.",
+    "Compute this part in float32 (.float() before it, or torch.autocast(..., enabled=False) around it), or use a "
+    "form that does not round: logsigmoid / binary_cross_entropy_with_logits instead of log(sigmoid(x)), "
+    "a two-pass variance instead of E[x^2] - E[x]^2.")
+"""``precision_overflow`` where nothing overflowed: a rounding upstream of the op (its own inputs give
+the same non-finite value in float64), told apart by ``explain(..., rounded=True)``."""
+
+
 def lookup(cause: str, op: str | None = None) -> Pattern:
     """The most specific pattern for this cause and op (falls back to the cause's generic entry)."""
     short = short_op(op)
@@ -203,13 +214,18 @@ def short_op(op: str | None) -> str:
 
 def explain(cause: str, op: str | None = None, *, module: str | None = None,
             dtype: str | None = None, detail: str = "", max_value: str = "", diverged: bool = False,
-            where: str | None = None) -> tuple[str, str]:
+            where: str | None = None, rounded: bool = False) -> tuple[str, str]:
     """(summary, fix) for a diagnosis, filled in from the pattern library.
 
     ``module`` is only meaningful once the op is localised (``op`` not None); ``where`` names the
     place instead (" in the code between ...") when the op ran in neither the model nor the loss code.
     """
-    p = AT_END_OF_DIVERGENCE[cause] if diverged and op is not None and cause in AT_END_OF_DIVERGENCE else lookup(cause, op)
+    if rounded and cause == "precision_overflow":
+        p = PRECISION_ROUNDING
+    elif diverged and op is not None and cause in AT_END_OF_DIVERGENCE:
+        p = AT_END_OF_DIVERGENCE[cause]
+    else:
+        p = lookup(cause, op)
     if where is not None:
         pass
     elif op is None:

@@ -318,7 +318,7 @@ def _apply(incident: "Incident", cls: Classification, origin: Origin, *, replaya
         incident.details["evidence"] = _plain(cls.evidence)
     summary, fix = explain(cls.cause, cls.op, module=cls.module, dtype=cls.dtype, detail=cls.detail,
                            max_value=f"{torch.finfo(getattr(torch, cls.dtype)).max:g}" if cls.dtype in ("float16", "bfloat16") else "",
-                           diverged="divergence" in cls.evidence)
+                           diverged="divergence" in cls.evidence, rounded=bool(cls.evidence.get("rounded_upstream")))
     if cls.cause == "nonfinite_param" and cls.detail:
         summary = f"A parameter was already non-finite before step {incident.step}: {cls.detail}."
     incident.summary = summary
