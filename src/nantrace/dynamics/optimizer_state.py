@@ -47,18 +47,19 @@ _DRIFT_MIN_HISTORY = 8
 
 
 def eps_problem(eps: float, dtype: torch.dtype) -> str | None:
-    """Why ``eps`` cannot work for Adam state of ``dtype`` (``None`` when it can)."""
+    """Why ``eps`` cannot work for optimizer state of ``dtype`` that divides by a second moment (Adam's
+    ``exp_avg_sq``, RMSProp's, Sophia's Hessian estimate); ``None`` when it can."""
     if not dtype.is_floating_point:
         return None
     if eps <= 0:
-        return f"eps={eps:g} is not positive: an entry whose exp_avg_sq is 0 is divided by zero"
+        return f"eps={eps:g} is not positive: an entry whose second moment (exp_avg_sq in Adam) is 0 is divided by zero"
     tiny = torch.finfo(dtype).tiny
     dtype_name = str(dtype).removeprefix("torch.")
     if host_value(torch.tensor(eps, dtype=dtype)) == 0:
         return f"eps={eps:g} rounds to 0 in {dtype_name} (the optimizer state's dtype), so it protects nothing"
     if eps < tiny:
         return (f"eps={eps:g} is below the smallest normal {dtype_name} ({tiny:.3g}): it is stored as a subnormal "
-                f"with almost no precision, and exp_avg_sq underflows long before it")
+                f"with almost no precision, and the second moment underflows long before it")
     return None
 
 
