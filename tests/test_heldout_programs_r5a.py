@@ -56,15 +56,11 @@ JUDGE = Judge(__file__)
 CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
 DIVERGING: set[str] = set()
 """Cases whose expected step is the divergence rule's step (computed from the plain run)."""
-_UNWATCHED = ("a parameter added by add_param_group after watch() is not among the watched parameters (the list is "
-              "made at watch(), every optimizer parameter then, frozen ones included): UpdateCheck names it 'param[-1]' "
-              "and update_replay.optimizer_incident replays another parameter's update: op/module/source lost")
-XFAIL: dict[str, str] = {
-    **{f"continual_learning_param_group_added_with_inf_lr[{m}]": _UNWATCHED for m in MODES},
-}
+XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail). Fixed since they were written (tests in
-test_optimizer_phase.py): a failed update is undone whole, across parameter groups; the update replay sees the
-arguments foreach and fused kernels write, and counts a denominator's zeros before an in-place op."""
+test_optimizer_phase.py, test_unfrozen_params.py): a failed update is undone whole, across parameter groups; the
+update replay sees the arguments foreach and fused kernels write, and counts a denominator's zeros before an
+in-place op; frozen parameters are watched; a group holding parameters added after watch() is never proven."""
 
 
 def case(name: str, want: Want, diverging: bool = False) -> Callable:

@@ -460,3 +460,27 @@ def test_a_failed_update_is_undone_in_every_parameter_group(one_thread):
     assert (incident.step, incident.kind, incident.phase, incident.action) == (2, "nonfinite_param", "optimizer", "skipped")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(torch.equal(a, opt.state[p]["momentum_buffer"]) for a, p in zip(momentum, model.parameters()))
+
+
+def test_a_group_added_after_watch_is_checked_not_proven(one_thread):
+    """``add_param_group`` after ``watch()``: the step's gradient norm does not cover the new group, so
+    its update is never taken as proven; a NaN gradient of it is caught at the update and undone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    extra = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        opt.add_param_group({"params": [extra]})
+        for step in range(3):
+            x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+            opt.zero_grad()
+            (nn.functional.mse_loss(model(x), y) + extra.sum()).backward()
+            if step == 2:
+                extra.grad.fill_(float("nan"))  # the step's check reads only the parameters watched at watch()
+            opt.step()
+        incidents = [i for i in guard.incidents if i.action != "logged"]
+    (incident,) = incidents
+    assert (incident.step, incident.kind, incident.phase, incident.action) == (2, "nonfinite_param", "optimizer", "skipped")
+    assert torch.equal(extra.detach(), torch.ones(3) - 0.05 * 2)  # the two healthy updates only
+    assert any("add_param_group" in r for r in guard.update_check.last_reasons)

@@ -152,7 +152,8 @@ class Guard:
         self.scaler_monitor = ScalerMonitor(max_skips=config.detection.scaler_max_skips,
                                             min_scale=config.detection.scaler_min_scale,
                                             max_drop=config.detection.scaler_max_drop)
-        self.update_check = UpdateCheck(optimizer, params, param_names, enabled=config.detection.check_updates) \
+        self.update_check = UpdateCheck(optimizer, params, param_names, enabled=config.detection.check_updates,
+                                        model_names=names) \
             if optimizer is not None and not self.sharded else None
         """Checks the optimizer's own updates (phase ``optimizer``) and undoes a non-finite one."""
         self._device_step = False

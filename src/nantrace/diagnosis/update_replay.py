@@ -149,6 +149,13 @@ class _OpWatch(TorchDispatchMode):
         return out
 
 
+def _failed_param(watched: "Watched", failure: "UpdateFailure") -> torch.Tensor:
+    """The parameter whose update failed (one added after ``watch()`` is not among the watched)."""
+    if failure.param is not None:
+        return failure.param
+    return watched.params[failure.param_index]
+
+
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors ``func`` writes in place (its schema's mutable arguments, tensor lists included)."""
     if not func._schema.is_mutable:
@@ -270,7 +277,7 @@ def _texts(watched: "Watched", failure: "UpdateFailure", replay: UpdateReplay, s
         named = ", ".join(f"{k} = {v}" for k, v in bad_hyper.items())
         how = f"{how}; the param group's {named}"
     eps = group.get("eps")
-    dtype = watched.params[failure.param_index].dtype
+    dtype = _failed_param(watched, failure).dtype
     why = f"; {eps_note}" if eps_note and cause in ("div_by_zero", "optimizer_state") else ""
     spread = sorted({s["state"] for s in failure.nonfinite_state if s["param"] == failure.param_name} - {replay.denominator_state})
     also = f"; {', '.join(spread)} turned non-finite too" if spread and failure.nonfinite_params else ""
@@ -309,7 +316,7 @@ def _texts(watched: "Watched", failure: "UpdateFailure", replay: UpdateReplay, s
 def optimizer_incident(watched: "Watched", failure: "UpdateFailure", history: Sequence[dict[str, Any]]) -> Incident:
     """The incident of an update that went non-finite (already undone), with the replay's verdict."""
     assert watched.optimizer is not None
-    param = watched.params[failure.param_index]
+    param = _failed_param(watched, failure)
     group = next(g for g in watched.optimizer.param_groups if any(p is param for p in g["params"]))
     start = time.perf_counter()
     try:
@@ -327,7 +334,9 @@ def optimizer_incident(watched: "Watched", failure: "UpdateFailure", history: Se
     # one eps, or several (Adafactor's (eps1, eps2)): the first its dtype cannot hold
     eps_note = next((note for e in (eps if isinstance(eps, (tuple, list)) else (eps,))
                      if isinstance(e, (int, float)) and (note := eps_problem(float(e), param.dtype))), None)
-    if cause == "div_by_zero" and replay.denominator_state is not None and (eps_note or "eps" not in group):
+    if any(isinstance(v, float) and not math.isfinite(v) for v in _hyper(group).values()):
+        cause = "optimizer_state"  # a NaN/inf learning rate or weight decay: the op only met it
+    elif cause == "div_by_zero" and replay.denominator_state is not None and (eps_note or "eps" not in group):
         # a denominator from the optimizer's state, with an eps its dtype cannot hold or none at all
         # (a hand-written RMSProp whose accumulator decayed to exactly 0): the state's fault
         cause = "optimizer_state"

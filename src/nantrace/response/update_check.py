@@ -54,6 +54,8 @@ class UpdateFailure:
     """``{"param", "state", "nan", "inf", "numel", "shape"}`` per non-finite state tensor."""
     unproven: list[str]
     """Why the update was checked (one reason per parameter group that was not proven)."""
+    param: torch.Tensor | None = None
+    """That parameter itself (also when it is not among the guard's: added by ``add_param_group``)."""
 
 
 @dataclasses.dataclass
@@ -97,11 +99,15 @@ class UpdateCheck:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], names: list[str],
-                 *, enabled: bool = True) -> None:
+                 *, enabled: bool = True, model_names: dict[int, str] | None = None) -> None:
         self.optimizer = optimizer
         self.enabled = enabled
         self._index = {id(p): i for i, p in enumerate(params)}
         self._names = names
+        self._model_names = model_names or {}
+        """``id`` -> name of every parameter of the model, for one the optimizer got after ``watch()``."""
+        self._unwatched: dict[tuple[int, int], bool] = {}
+        """(group id, its parameter count) -> it holds a parameter the guard does not watch."""
         self.bound = StateBound.for_optimizer(optimizer)
         self._saved: list[_Saved] = []
         self._copies: list[torch.Tensor] = []
@@ -133,12 +139,16 @@ class UpdateCheck:
         self.param_bound, self._param_in, self._param_after = None, param_norm, 0.0
         state_bound = self.bound.value
         for group in self.optimizer.param_groups:
-            after = param_bound_after(self.optimizer, group, grad=grad_norm, param=param_norm, state=state_bound)
+            unwatched = self._holds_unwatched(group)
+            after = None if unwatched else \
+                param_bound_after(self.optimizer, group, grad=grad_norm, param=param_norm, state=state_bound)
             if after is not None:
                 self._proven.append((group, grad_norm or 0.0, param_norm or 0.0))
                 self._param_after = max(self._param_after, after)
                 continue
-            reason = update_risk(self.optimizer, group, grad=grad_norm, param=param_norm, state=state_bound)
+            reason = "the group holds parameters added after watch() (add_param_group): the step's gradient " \
+                "norm does not cover them" if unwatched else \
+                update_risk(self.optimizer, group, grad=grad_norm, param=param_norm, state=state_bound)
             self._reasons.append(reason or "the update could not be bounded")
             for p in group["params"]:
                 self._save(p)
@@ -151,6 +161,15 @@ class UpdateCheck:
         if self._copies:
             torch._foreach_copy_(self._copies, self._sources)
         self._armed = True
+
+    def _holds_unwatched(self, group: dict[str, Any]) -> bool:
+        """Whether ``group`` holds a parameter the guard did not watch (cached per group and size: one
+        scan when a group appears or grows, none per step)."""
+        key = (id(group), len(group["params"]))
+        found = self._unwatched.get(key)
+        if found is None:
+            found = self._unwatched[key] = any(id(p) not in self._index for p in group["params"])
+        return found
 
     # ------------------------------------------------------------------ sync-free mode
     def proven(self, *, grad: float, param: float) -> bool:
@@ -245,10 +264,13 @@ class UpdateCheck:
             entry = _counts(self._name(saved), t)
             nonfinite_state.append({"param": entry.pop("name"), "state": str(key), **entry})
         first = next(s for s, b in zip(self._saved, bad_params) if b) if any(bad_params) else bad_state[0][0]
-        return UpdateFailure(first.index, self._name(first), nonfinite_params, nonfinite_state, list(self._reasons))
+        return UpdateFailure(first.index, self._name(first), nonfinite_params, nonfinite_state, list(self._reasons),
+                             param=first.param)
 
     def _name(self, saved: _Saved) -> str:
-        return self._names[saved.index] if 0 <= saved.index < len(self._names) else f"param[{saved.index}]"
+        if 0 <= saved.index < len(self._names):
+            return self._names[saved.index]
+        return self._model_names.get(id(saved.param), f"param[{saved.index}]")
 
     def undo(self) -> None:
         """Put the copied parameters and optimizer state back as they were before the update."""
