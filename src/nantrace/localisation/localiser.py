@@ -220,7 +220,9 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
         if observed_in is None and loss_error is None and not together and not watched.sharded \
                 and incident.kind == "nonfinite_grad" and grad_tape is not None and grad_tape.usable and unit_grads:
             # Forward, loss and backward replay finite: the code between backward() and step() is left.
-            tracer = OpTracer(ModuleStack(watched.root), externals)
+            # Fresh names: the shared table also holds ids of the earlier replays' copies, long dead, which
+            # a tensor made now (a NaN scalar written into a gradient) may reuse.
+            tracer = OpTracer(ModuleStack(watched.root), externals_of(watched, units))
             gradient_code = replay_gradient_code(watched, grad_tape, unit_grads, tracer)
             incident.details["gradient_code_replayed"] = len(grad_tape.entries)
             if gradient_code.error is not None:
@@ -275,7 +277,7 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
     if origin.external is not None and origin.external.external == "input" and not together \
             and isinstance(failing_unit, (ForwardRecord, CallRecord)) and capture.prelude is not None \
             and capture.prelude.usable:
-        made = _made_before_forward(watched, capture, failing_unit, externals)
+        made = _made_before_forward(watched, capture, failing_unit)
         if made is not None:
             origin, tracer = made
     cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=param_modules(watched),
@@ -287,15 +289,14 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
         _in_gradient_code(incident, cls, gradient_code.bad if gradient_code is not None else [])
 
 
-def _made_before_forward(watched: "Watched", capture: StepCapture, unit: Any,
-                         externals: dict[int, str]) -> tuple[Origin, OpTracer] | None:
+def _made_before_forward(watched: "Watched", capture: StepCapture, unit: Any) -> tuple[Origin, OpTracer] | None:
     """The origin of a non-finite model input that the step's own code made before the forward
     (features standardised by the batch's std, boxes encoded, targets rescaled), found by replaying
     the prelude: the batch itself is blamed only when no taped call made that input."""
     if unit is None or capture.prelude is None:
         return None
     bad = [t for t in floating_tensors((unit.args, unit.kwargs)) if not bool(torch.isfinite(t).all())]
-    tracer = OpTracer(ModuleStack(watched.root), dict(externals))
+    tracer = OpTracer(ModuleStack(watched.root), externals_of(watched, [unit]))  # fresh: see the gradient code's
     with rerun_scope(watched), tracer.modules, tracer:
         start = trace_prelude_inputs(capture.prelude, bad, tracer)
     if start is None:
