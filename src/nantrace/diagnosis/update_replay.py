@@ -31,7 +31,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..dynamics.optimizer_state import eps_problem
 from ..incident import Incident
-from ..localisation.tracer import op_name, tensor_stats, user_source
+from ..localisation.tracer import op_name, tensor_stats, user_source, written_tensors
 from ..response.policies import action_for
 from .triage import Finding
 
@@ -122,7 +122,7 @@ class _OpWatch(TorchDispatchMode):
         zeros = _zeros(denominator) if denominator is not None and self.origin is None else 0
         denominator_sources = set().union(*(self.sources.get(t, frozenset()) for t in _tensors(denominator))) \
             if denominator is not None else set()
-        written = _written(func, args, kwargs)
+        written = written_tensors(func, args, kwargs)
         out = func(*args, **kwargs)
         for t in [*_tensors(out), *written]:
             self.sources[t] = frozenset(came_from | self.sources.get(t, frozenset()))
@@ -154,19 +154,6 @@ def _failed_param(watched: "Watched", failure: "UpdateFailure") -> torch.Tensor:
     if failure.param is not None:
         return failure.param
     return watched.params[failure.param_index]
-
-
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors ``func`` writes in place (its schema's mutable arguments, tensor lists included)."""
-    if not func._schema.is_mutable:
-        return []
-    out: list[torch.Tensor] = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        out.extend(_tensors(value))
-    return out
 
 
 def _replica(optimizer: torch.optim.Optimizer, param: torch.Tensor, dtype: torch.dtype | None = None

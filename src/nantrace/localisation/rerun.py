@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..capture import CallRecord, ForwardRecord, RngState, extremes_ok_on_host, floating_tensors
-from .tracer import replay_site
+from .tracer import replay_site, written_tensors
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -87,14 +87,8 @@ class WriteGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func._schema.is_mutable:
-            for i, arg in enumerate(func._schema.arguments):
-                if arg.alias_info is None or not arg.alias_info.is_write:
-                    continue
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                for t in value if isinstance(value, (list, tuple)) else (value,):
-                    if isinstance(t, torch.Tensor):
-                        self._keep(t)
+        for t in written_tensors(func, args, kwargs):
+            self._keep(t)
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):

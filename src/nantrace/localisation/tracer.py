@@ -305,6 +305,19 @@ class FailedOp:
     """The forward ops that made its tensor arguments (e.g. the decomposition whose ``info`` a check raised on)."""
 
 
+def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an ATen op writes in place: its schema's mutable arguments (tensor lists included)."""
+    if not func._schema.is_mutable:
+        return []
+    out: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out.extend(t for t in (value if isinstance(value, (list, tuple)) else (value,)) if isinstance(t, torch.Tensor))
+    return out
+
+
 def _clone_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The op's arguments with the tensors it writes in place cloned, so the evidence sees
     the values the op read, not the ones it wrote."""
