@@ -74,3 +74,14 @@ def assert_unhooked(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "cause_matrix: the cause oracle and its generated matrix (tests/test_cause_matrix.py)")
+
+
+@pytest.fixture
+def distributions_validate() -> Any:
+    """torch.distributions validates its arguments by default (``__debug__``), as in a script; but
+    ``torch._dynamo`` turns that default off for the whole process the first time anything is compiled
+    (an earlier test's ``torch.compile``). Programs that rely on the default ask for it back."""
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(True)
+    yield
+    torch.distributions.Distribution.set_default_validate_args(before)

@@ -111,3 +111,10 @@ def kinds(guard: nantrace.Guard, exclude: tuple[str, ...] = ("loss_spike", "grad
 def _one_thread(one_thread):
     """Imported by the dynamics test modules: every test there runs on one thread (conftest's ``one_thread``)."""
     yield
+
+
+def monitor_hooks(module: nn.Module, guard: Any) -> int:
+    """The forward hooks on ``module`` other than the guard's capture of calls to the model's parts
+    (``StepRecorder.watch_parts``): the ones a monitor installed."""
+    own = guard.recorder
+    return sum(1 for h in module._forward_hooks.values() if getattr(getattr(h, "func", None), "__self__", None) is not own)

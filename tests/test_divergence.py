@@ -4,14 +4,16 @@ heavy-tailed, falling fast early, gradient norms rising early) raise no alarm.""
 
 from __future__ import annotations
 
+import copy
 import math
+import random
 
 import numpy as np
 import pytest
 
 import nantrace
 from divergence_runs import RUNS, train
-from nantrace.detection.divergence import DivergenceDetector, GrowthTracker
+from nantrace.detection.divergence import Divergence, DivergenceDetector, GrowthTracker
 
 HEALTHY = [name for name, run in RUNS.items() if run.healthy]
 DIVERGING = [name for name, run in RUNS.items() if not run.healthy]
@@ -188,3 +190,67 @@ def test_one_logarithm_per_value_however_long_the_run(monkeypatch):
         detector.update(i, 2.0 * 0.999 ** i, 1.0 + 0.001 * i, 1e-3)  # a falling loss, a rising norm
         per_update.append(len(calls) - before)
     assert max(per_update[100:]) == max(per_update[10:100]) <= 4
+
+
+@pytest.mark.parametrize("values, flagged_at", [
+    # cubic features: log-loss convex, R² of a straight line 0.53 at the flag (0.72 a step before)
+    ([0.6657, 1.559, 1.933, 2.237, 78.17, 3.126e15], 5),
+    # a learned learning rate running away (SGD-HD): the rise starts from the trough at 0.9004
+    ([1.242, 0.9004, 1.315, 1.717, 2.546, 1.765e4, 1.248e27], 6),
+    # speeding up, but only 2x before the last value: one steep step is not yet a divergence ...
+    ([1.0, 1.01, 1.03, 1.07, 2.0, 30.0], None),
+    # ... the next, steeper still, is
+    ([1.0, 1.01, 1.03, 1.07, 2.0, 30.0, 1000.0], 6),
+    # a lone spike after small rises, then a smaller rise: not accelerating, not an exponential
+    ([1.0, 1.01, 1.02, 1.03, 40.0, 41.0], None),
+    # a spike at the end of a rise (4.5x) that had been slowing down: not speeding up over its last three steps
+    ([1.0, 4.0, 4.4, 4.5, 4.55, 200.0], None),
+])
+def test_growth_that_speeds_up_is_a_divergence(values, flagged_at):
+    """A super-exponential growth is badly fitted by a straight line in log (R² < 0.8) yet diverges faster than
+    any exponential: it counts when its last three log-increases do not shrink and it had already grown
+    divergence_factor-fold before its last value; a lone spike still does not."""
+    tracker = GrowthTracker("loss", min_steps=4, min_factor=4.0)
+    hits = [(i, g) for i, v in enumerate(values) if (g := tracker.update(i, v)) is not None]
+    assert (hits[0][0] if hits else None) == flagged_at
+    if hits:
+        assert hits[0][1].accelerating and hits[0][1].r2 < 0.8
+        assert "growing faster every step" in Divergence(cause="loss_divergence", growth=hits[0][1], other=None,
+                                                        continuing=False, lr=None, lr_at_start=None, lr_trend="unknown",
+                                                        norm_before=None).summary(hits[0][0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_firing_ranges_agree_with_the_tracker_on_accelerating_and_spiky_runs(seed):
+    """firing_ranges (the state's verdict as intervals of the next value, what the sync-free mode checks on the
+    device) against update() on a copy, on runs that speed up, spike, or creep, at and around the boundaries."""
+    rnd = random.Random(seed)
+    checked = fired = speeding = 0
+    for _ in range(60):
+        tracker = GrowthTracker("loss", min_steps=4, min_factor=4.0)
+        mode = rnd.choice(["accelerate", "spike", "creep", "noise"])
+        value, rate = 1.0, rnd.uniform(0.01, 0.3)
+        for step in range(40):
+            if mode == "accelerate" and step > 10:
+                rate = min(rate * rnd.uniform(1.0, 2.5), 5.0)
+                value *= math.exp(rate * rnd.uniform(0.6, 1.4))
+            elif mode == "spike":
+                value = value * rnd.uniform(0.95, 1.08) if rnd.random() > 0.1 else value * rnd.uniform(5, 50)
+            elif mode == "creep":
+                value *= rnd.uniform(0.999, 1.05)
+            else:
+                value = 2 * rnd.lognormvariate(0, 0.5)
+            value = min(value, 1e300)
+            ranges = tracker.firing_ranges()
+            candidates = [value, value * rnd.uniform(1, 100), value * rnd.uniform(0.5, 1)]
+            candidates += [b * f for lo, hi in ranges for b in (lo, hi) if math.isfinite(b) and b > 0
+                           for f in (0.999, 1.001)]
+            for v in candidates:
+                growth = copy.deepcopy(tracker).update(step, v)
+                reference = growth is not None
+                assert any(lo <= v <= hi for lo, hi in ranges) == reference, (mode, step, v, ranges)
+                checked += 1
+                fired += reference
+                speeding += reference and growth.accelerating
+            tracker.update(step, value)
+    assert fired > 50 and speeding > 20 and checked > 5000  # the speed-up rule's intervals are exercised

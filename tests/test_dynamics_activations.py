@@ -13,7 +13,7 @@ from torch import nn
 
 import nantrace
 from conftest import assert_unhooked
-from dynamics_helpers import _one_thread, classification_batches, quiet, relu_mlp, train  # noqa: F401
+from dynamics_helpers import _one_thread, classification_batches, monitor_hooks, quiet, relu_mlp, train  # noqa: F401
 from nantrace.dynamics._common import MonitorFailedWarning
 from nantrace.dynamics.activations import ActivationMonitor, output_stats
 from nantrace.dynamics.logits import LogitSaturationMonitor, find_logits, logit_stats
@@ -52,7 +52,7 @@ def test_activation_rows_on_sampled_steps_match_hooks_by_hand(tmp_path) -> None:
     for step in range(7):
         step_of[0] = step
         sampled = step % 3 == 0
-        hooks = {len(m._forward_hooks) for m in model}  # the layers: our hook, plus nantrace's on sampled steps
+        hooks = {monitor_hooks(m, guard) for m in model}  # the layers: our hook, plus nantrace's on sampled steps
         assert hooks == ({2} if sampled else {1})
         x, y = batches(step)
         opt.zero_grad()
@@ -99,7 +99,7 @@ def test_activation_statistics_cost_nothing_without_a_store() -> None:
     model = relu_mlp(0, width=8)
     guard = nantrace.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), config=quiet(activation_stats_every=1))
     monitor = next(m for m in guard.monitors if isinstance(m, ActivationMonitor))
-    assert not monitor.active and all(len(m._forward_hooks) == 0 for m in model[1:])
+    assert not monitor.active and all(monitor_hooks(m, guard) == 0 for m in model[1:])
     guard.close()
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nantrace
-from dynamics_helpers import _one_thread, classification_batches, relu_mlp, train  # noqa: F401
+from dynamics_helpers import _one_thread, classification_batches, monitor_hooks, relu_mlp, train  # noqa: F401
 from nantrace.dynamics.registry import build_monitors
 
 SAMPLED = ("update_stats_every", "activation_stats_every", "optimizer_stats_every", "logit_stats_every")
@@ -80,5 +80,5 @@ def test_without_an_optimizer_no_monitor_installs_anything() -> None:
     model = relu_mlp(0, width=8)
     guard = nantrace.watch(model, config=nantrace.Config.preset("thorough", print_incidents=False))
     assert all(not m.active for m in guard.monitors)
-    assert all(not m._forward_hooks for m in model)
+    assert all(not monitor_hooks(m, guard) for m in model)
     guard.close()

@@ -409,12 +409,7 @@ def _cases() -> list[Any]:
     for name, (_, want) in NUMERICAL.items():
         for loop in LOOPS:
             for replayable in (False, True):
-                marks = []
-                if loop == "caught" and not replayable and want.python_check:
-                    marks.append(pytest.mark.xfail(strict=True, reason=(
-                        "zero-code: a Python check in the loss code raises outside any op the tape sees, and once "
-                        "the loop has caught it nothing of nantrace can see it; guard.replayable notes it")))
-                cases.append(pytest.param(name, loop, replayable, marks=marks,
+                cases.append(pytest.param(name, loop, replayable,
                                           id=f"{name}-{loop}-{'replayable' if replayable else 'zero_code'}"))
     return cases
 
@@ -437,11 +432,8 @@ def test_a_nan_that_ends_in_an_exception_gets_its_origin_and_cause(name: str, lo
     assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
         prog.fail_step, "exception", "forward", want.op, want.module, want.cause, "raised"), inc.summary
     assert points_at(inc.source, __file__, want.tag)
-    if loop == "caught_stop" and not replayable and want.python_check:
-        # never seen raising: diagnosed at close() as a step abandoned before backward()
-        assert inc.details["exception"] is None and "abandoned" in inc.details
-    else:
-        assert inc.details["exception"].startswith(type(exc).__name__)
+    # a Python check of torch.distributions' is seen as it raises (patches.VALUE_CHECK_FUNCTIONS), even when caught
+    assert inc.details["exception"].startswith(type(exc).__name__)
 
 
 @pytest.mark.parametrize("loop", list(LOOPS))
@@ -556,6 +548,38 @@ def test_a_failed_decomposition_in_the_loss_code_of_a_step_caught_by_the_loop(re
     assert points_at(inc.source, __file__, "mvn_loss")
 
 
+def rates_loss_with_own_check(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Poisson rate model whose loss code checks the rates itself (not torch.distributions)."""
+    rates = model(x).squeeze(-1)
+    log_rates = torch.log(rates)  # <origin:own_check_log>
+    if not bool(torch.isfinite(log_rates).all()):
+        raise FloatingPointError("non-positive Poisson rate")
+    return (rates - x[:, 0] * log_rates).mean()
+
+
+def poisson_rates() -> Program:
+    """At step ``FAIL_STEP`` a batch arrives in raw units: the unbounded rate turns negative."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.rand(16, 3, generator=g) * (400.0 if step == FAIL_STEP else 1.0) for step in range(STEPS)]
+    return Program(model, torch.optim.SGD(model.parameters(), lr=1e-3), batches, rates_loss_with_own_check)
+
+
+def test_a_users_own_check_caught_by_the_loop_is_diagnosed_at_close(one_thread: None) -> None:
+    """A check written by the user raises from Python, where no hook of nantrace's sees it, and the loop
+    catches it and stops: close() replays the step that never reached backward() and finds the bad value."""
+    baseline, baseline_step = baseline_exception(poisson_rates)
+    guard, exc, step = loop_caught_stop(poisson_rates(), False)
+    assert step == baseline_step == FAIL_STEP
+    assert_unchanged(exc, baseline)
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        FAIL_STEP, "exception", "forward", "aten.log.default", None, "log_nonpositive", "raised"), inc.summary
+    assert points_at(inc.source, __file__, "own_check_log")
+    assert inc.details["exception"] is None and "abandoned" in inc.details  # never seen raising
+
+
 def test_a_step_left_before_backward_with_healthy_values_records_nothing(one_thread: None) -> None:
     """A forward under grad mode that never reaches backward() (an evaluation that forgot no_grad, a
     loop that stops on an error of its own) is not a numerical failure: close() replays it, finds no
@@ -582,3 +606,446 @@ def test_which_messages_read_as_a_value_check(message, value):
     from nantrace.localisation.exceptions import is_value_message
 
     assert is_value_message(message) is value
+
+
+# =============================================================== the value behind the value an op raised on
+# A raising op that received no NaN itself may still have been handed one: inside a decomposition's matrix
+# (it raises on the integer ``info`` the decomposition made), or cast to an integer index (a NaN or -inf
+# cast to int64 is INT64_MIN). The origin of that NaN is the diagnosis; finite values outside the op's
+# domain (a singular matrix, a label out of range) stay domain_error / label_out_of_range at the op.
+class RootFeatures(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)  # <origin:kernel_sqrt>
+
+
+class KernelNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = RootFeatures()
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self.features(x))
+
+
+def kernel_cholesky_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    z = model(x)
+    k = z @ z.t() + torch.eye(len(z))
+    chol = torch.linalg.cholesky(k)  # <origin:kernel_cholesky>
+    return (torch.cholesky_solve(y[:, None], chol) * y[:, None]).mean() + chol.diagonal().log().mean()
+
+
+def kernel_program(*, singular: bool = False) -> Program:
+    """At ``FAIL_STEP`` a feature is negative: sqrt makes NaN, the kernel matrix is NaN and Cholesky raises.
+    ``singular``: the model has no bias and the batch is blank instead: the kernel is finite and singular."""
+    torch.manual_seed(0)
+    model = KernelNet()
+    g = torch.Generator().manual_seed(11)
+    batches = []
+    for step in range(STEPS):
+        x = torch.rand(8, 5, generator=g)
+        if step == FAIL_STEP:
+            x[3, 1] = -1.0
+        batches.append((x, torch.randn(8, generator=g)))
+    if singular:
+        model = nn.Sequential(nn.Linear(5, 8, bias=False), nn.Tanh(), nn.Linear(8, 3, bias=False))
+        batches[FAIL_STEP][0].zero_()
+    return Program(model, torch.optim.SGD(model.parameters(), lr=1e-3), batches,
+                   singular_gram_loss if singular else kernel_cholesky_loss)
+
+
+def singular_gram_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    z = model(x)
+    chol = torch.linalg.cholesky(z.t() @ z)  # <origin:gram_cholesky>
+    return chol.diagonal().log().sum() + (z.sum(1) - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("loop", ["try_finally", "caught"])
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_a_decomposition_of_a_nan_matrix_names_the_origin_of_the_nan(replayable: bool, loop: str,
+                                                                     one_thread: None) -> None:
+    """linalg.cholesky raises through ``_linalg_check_errors`` on the integer ``info`` of a matrix that holds
+    NaN: the NaN's origin (sqrt of a negative feature, in the model) is the diagnosis, not the decomposition."""
+    baseline, _ = baseline_exception(kernel_program)
+    guard, exc, step = LOOPS[loop](kernel_program(), replayable)
+    assert step == FAIL_STEP and isinstance(exc, torch.linalg.LinAlgError)
+    assert_unchanged(exc, baseline)
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        FAIL_STEP, "exception", "forward", "aten.sqrt.default", "features", "sqrt_negative", "raised"), inc.summary
+    assert points_at(inc.source, __file__, "kernel_sqrt")
+
+
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_a_decomposition_of_a_finite_singular_matrix_is_still_a_domain_error(replayable: bool,
+                                                                             one_thread: None) -> None:
+    """Negative: a finite Gram matrix of a blank batch is singular (all zero): Cholesky's own domain error."""
+    build = functools.partial(kernel_program, singular=True)
+    baseline, _ = baseline_exception(build)
+    guard, exc, step = loop_try_finally(build(), replayable)
+    assert step == FAIL_STEP
+    assert_unchanged(exc, baseline)
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        FAIL_STEP, "exception", "forward", "aten.linalg_cholesky_ex.default", None, "domain_error", "raised"), \
+        inc.summary
+    assert points_at(inc.source, __file__, "gram_cholesky")
+
+
+def share_target_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The class is the share of successes, bucketed: 0 trials make 0/0, a NaN cast to int64."""
+    x, successes, trials = batch
+    share = successes / trials  # <origin:share_div>
+    return F.cross_entropy(model(x), (share * 3).trunc().long())
+
+
+class LogBucket(nn.Module):
+    def __init__(self, n: int = 8) -> None:
+        super().__init__()
+        self.n = n
+        self.emb = nn.Embedding(n, 4)
+
+    def forward(self, sizes: torch.Tensor) -> torch.Tensor:
+        bucket = torch.log(sizes).ceil().long().clamp(max=self.n - 1)  # <origin:size_log>
+        return self.emb(bucket).mean(1)
+
+
+class SizeModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.size = LogBucket()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, sizes: torch.Tensor) -> torch.Tensor:
+        return self.head(self.size(sizes))
+
+
+def share_program(*, finite_out_of_range: bool = False) -> Program:
+    """At ``FAIL_STEP`` an item has 0 trials (0/0 = NaN). ``finite_out_of_range``: instead, a share of -0.4
+    (a refund counted as a negative success): the bucket is -1, a finite value out of range."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(12)
+    batches = []
+    for step in range(STEPS):
+        trials = torch.randint(5, 30, (10,), generator=g).float()
+        successes = torch.floor(trials * torch.rand(10, generator=g) * 0.9)
+        if step == FAIL_STEP:
+            if finite_out_of_range:
+                successes[4] = -0.4 * trials[4]
+            else:
+                successes[4], trials[4] = 0.0, 0.0
+        batches.append((torch.randn(10, 6, generator=g), successes, trials))
+    return Program(model, torch.optim.SGD(model.parameters(), lr=1e-2), batches, share_target_loss)
+
+
+def size_program() -> Program:
+    """At ``FAIL_STEP`` an item of size 0: log(0) = -inf, its bucket INT64_MIN, and the embedding raises."""
+    torch.manual_seed(0)
+    model = SizeModel()
+    g = torch.Generator().manual_seed(13)
+    batches = []
+    for step in range(STEPS):
+        sizes = 1.0 + torch.rand(6, 5, generator=g) * 500
+        if step == FAIL_STEP:
+            sizes[1, 2] = 0.0
+        batches.append((sizes, torch.randint(0, 3, (6,), generator=g)))
+    return Program(model, torch.optim.SGD(model.parameters(), lr=1e-2), batches,
+                   lambda m, b, check=True: F.cross_entropy(m(b[0]), b[1]))
+
+
+@pytest.mark.parametrize("loop", ["try_finally", "caught"])
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_a_target_cast_from_nan_names_the_op_that_made_the_nan(replayable: bool, loop: str, one_thread: None) -> None:
+    """cross_entropy raises on a target of INT64_MIN: the NaN share it was cast from (after trunc) is followed
+    back to the division that made it."""
+    baseline, _ = baseline_exception(share_program)
+    guard, exc, step = LOOPS[loop](share_program(), replayable)
+    assert step == FAIL_STEP and isinstance(exc, IndexError)
+    assert_unchanged(exc, baseline)
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        FAIL_STEP, "exception", "forward", "aten.div.Tensor", None, "div_by_zero", "raised"), inc.summary
+    assert points_at(inc.source, __file__, "share_div")
+
+
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_an_embedding_index_cast_from_minus_inf_names_the_log(replayable: bool, one_thread: None) -> None:
+    """An embedding raises on an index of INT64_MIN: the -inf it was cast from (through ceil and clamp) is
+    followed back to the log of 0 in the model."""
+    baseline, _ = baseline_exception(size_program)
+    guard, exc, step = loop_try_finally(size_program(), replayable)
+    assert step == FAIL_STEP and isinstance(exc, IndexError)
+    assert_unchanged(exc, baseline)
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        FAIL_STEP, "exception", "forward", "aten.log.default", "size", "log_nonpositive", "raised"), inc.summary
+    assert points_at(inc.source, __file__, "size_log")
+
+
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_a_finite_label_out_of_range_is_still_label_out_of_range(replayable: bool, one_thread: None) -> None:
+    """Negative: the target -1 was cast from a finite share (-0.4 * 3, truncated): no NaN behind it, so the
+    label itself is the diagnosis."""
+    build = functools.partial(share_program, finite_out_of_range=True)
+    baseline, _ = baseline_exception(build)
+    guard, exc, step = loop_try_finally(build(), replayable)
+    assert step == FAIL_STEP and isinstance(exc, IndexError)
+    assert_unchanged(exc, baseline)
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        FAIL_STEP, "exception", "forward", "aten.nll_loss_forward.default", None, "label_out_of_range", "raised"), \
+        inc.summary
+    assert "-1" in inc.summary
+
+
+# ============================================== a NaN from the batch reaching a Python check in replayable loss code
+def gaussian_nll_checked(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return -torch.distributions.Normal(model(x).squeeze(-1), 1.0, validate_args=True).log_prob(y).mean()
+
+
+def missing_value_program() -> Program:
+    """At ``FAIL_STEP`` a feature of the batch is missing (NaN): the model's output is NaN and Normal's
+    validation raises on it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    g = torch.Generator().manual_seed(14)
+    batches = []
+    for step in range(STEPS):
+        x = torch.randn(12, 4, generator=g)
+        if step == FAIL_STEP:
+            x[5, 2] = float("nan")
+        batches.append((x, torch.randn(12, generator=g)))
+    return Program(model, torch.optim.SGD(model.parameters(), lr=1e-2), batches, gaussian_nll_checked)
+
+
+@pytest.mark.parametrize("loop", ["try_finally", "caught"])
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_a_nan_batch_rejected_by_a_check_in_the_loss_code_is_the_batchs(replayable: bool, loop: str,
+                                                                       one_thread: None) -> None:
+    """The model's outputs were NaN (from the batch) before the loss code raised: with ``replayable`` the
+    unit that raised returned nothing, so the model's outputs are judged as its forward returns them."""
+    baseline, _ = baseline_exception(missing_value_program)
+    guard, exc, step = LOOPS[loop](missing_value_program(), replayable)
+    assert step == FAIL_STEP and isinstance(exc, ValueError)
+    assert_unchanged(exc, baseline)
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.source, inc.cause, inc.action) == (
+        FAIL_STEP, "exception", "data", None, None, None, "nonfinite_input", "raised"), inc.summary
+
+
+# =================================================== a finite value rejected by a Python check, through a view
+class ScaleHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.fc.bias.fill_(0.5)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.fc(h)).flatten()  # <origin:scale_relu>
+
+
+class HeteroscedasticNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(3, 8)
+        self.mu = nn.Linear(8, 1)
+        self.scale_head = ScaleHead()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.mu(h).flatten(), self.scale_head(h)
+
+
+def heteroscedastic_nll(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    mu, scale = model(x)
+    return -torch.distributions.Normal(mu, scale, validate_args=True).log_prob(y).mean()
+
+
+def scale_program() -> Program:
+    """At ``FAIL_STEP`` one input drives the scale head below 0: its ReLU is exactly 0 (finite), viewed by
+    ``flatten``, and Normal's validation in the loss code rejects the scale."""
+    torch.manual_seed(0)
+    model = HeteroscedasticNet()
+    g = torch.Generator().manual_seed(15)
+    with torch.no_grad():  # the input whose hidden state points against the scale head's weight
+        w = model.scale_head.fc.weight[0] @ model.body.weight
+        raw = -3.0 * w / w.pow(2).sum()
+    batches = []
+    for step in range(STEPS):
+        x = 0.05 * torch.randn(10, 3, generator=g)
+        if step == FAIL_STEP:
+            x[6] = raw
+        batches.append((x, torch.randn(10, generator=g)))
+    return Program(model, torch.optim.SGD(model.parameters(), lr=1e-3), batches, heteroscedastic_nll)
+
+
+@pytest.mark.parametrize("loop", ["try_finally", "caught"])
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_a_finite_value_rejected_through_a_view_names_the_op_that_computed_it(replayable: bool, loop: str,
+                                                                             one_thread: None) -> None:
+    """The rejected scale is ``relu(...).flatten()``: the op named is the ReLU that computed the values, not the
+    view; zero-code, where the replayed loss code does not raise, the replayed tensor equal to the rejected
+    value is found among the replay's tensors."""
+    baseline, _ = baseline_exception(scale_program)
+    guard, exc, step = LOOPS[loop](scale_program(), replayable)
+    assert step == FAIL_STEP and isinstance(exc, ValueError)
+    assert_unchanged(exc, baseline)
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        FAIL_STEP, "exception", "forward", "aten.relu.default", "scale_head", "domain_error", "raised"), inc.summary
+    assert points_at(inc.source, __file__, "scale_relu")
+    assert "GreaterThan(lower_bound=0.0)" in inc.summary
+
+
+# ================================================== raised after backward(), before optimizer.step()
+class Magnitude(nn.Module):
+    """Appends each row's Euclidean norm, written out by hand."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([h, torch.sqrt(h.pow(2).sum(-1, keepdim=True))], -1)  # <origin:magnitude_sqrt>
+
+
+class MagnitudeNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 6, bias=False)
+        self.magnitude = Magnitude()
+        self.head = nn.Linear(7, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.magnitude(self.embed(x))).squeeze(-1)
+
+
+def magnitude_program() -> Program:
+    """At ``FAIL_STEP`` a blank row (all 0): its norm is sqrt(0), whose derivative is infinite; the gradients
+    are NaN (the forward and the loss finite)."""
+    torch.manual_seed(0)
+    model = MagnitudeNet()
+    g = torch.Generator().manual_seed(16)
+    batches = []
+    for step in range(STEPS):
+        x = torch.randn(8, 4, generator=g)
+        if step == FAIL_STEP:
+            x[2] = 0.0
+        batches.append((x, torch.randn(8, generator=g)))
+    return Program(model, torch.optim.SGD(model.parameters(), lr=1e-2), batches,
+                   lambda m, b, check=True: F.mse_loss(m(b[0]), b[1]))
+
+
+def _clipped_step(prog: Program, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> None:
+    prog.opt.zero_grad()
+    loss_fn(prog.model, batch).backward()
+    torch.nn.utils.clip_grad_norm_(prog.model.parameters(), 1.0, error_if_nonfinite=True)
+    prog.opt.step()
+
+
+def _after_backward_loop(prog: Program, replayable: bool, step_fn: Callable[..., None], *,
+                         catch: bool) -> tuple[nantrace.Guard, list[tuple[int, BaseException]], list[bool]]:
+    """Train with ``step_fn``; ``catch``: an exception is caught, the gradients zeroed and the batch skipped
+    (else the loop stops there). Returns the guard, the failures and, per batch run, whether the weights changed."""
+    guard = nantrace.watch(prog.model, prog.opt, config=_quiet())
+    loss_fn = _loss_code(guard, prog, replayable)
+    failures: list[tuple[int, BaseException]] = []
+    changed: list[bool] = []
+    try:
+        for step, batch in enumerate(prog.batches):
+            before = [p.detach().clone() for p in prog.model.parameters()]
+            try:
+                step_fn(prog, loss_fn, batch)
+            except Exception as exc:  # noqa: BLE001 - the user's "skip bad batches"
+                failures.append((step, exc))
+                prog.opt.zero_grad()
+                if not catch:
+                    break
+            finally:
+                changed.append(any(not torch.equal(a, b) for a, b in zip(before, prog.model.parameters())))
+    finally:
+        guard.close()
+    return guard, failures, changed
+
+
+@pytest.mark.parametrize("catch", [False, True], ids=["stops", "trains_on"])
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_clip_grad_norm_raising_on_a_nan_gradient_names_the_backward_origin(replayable: bool, catch: bool,
+                                                                            one_thread: None) -> None:
+    """clip_grad_norm_(error_if_nonfinite=True) raises between backward() and optimizer.step(): the clip wrapper
+    notes it and the step's gradients, still the NaN ones, are localised as the NaN-gradient path does (the
+    derivative of sqrt at 0, in the module whose forward ran it), recorded as kind exception; a loop that
+    catches it trains on, the next update landing."""
+    guard, failures, changed = _after_backward_loop(magnitude_program(), replayable, _clipped_step, catch=catch)
+    assert [s for s, _ in failures] == [FAIL_STEP] and isinstance(failures[0][1], RuntimeError)
+    assert "non-finite" in str(failures[0][1])
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        FAIL_STEP, "exception", "backward", "aten.sqrt.default", "magnitude", "grad_singularity", "raised"), \
+        inc.summary
+    assert points_at(inc.source, __file__, "magnitude_sqrt")
+    assert inc.details["exception"].startswith("RuntimeError") and inc.details["observed"] == "nonfinite_grad"
+    assert changed == ([i != FAIL_STEP for i in range(STEPS)] if catch else [True] * FAIL_STEP + [False])
+
+
+class LogIntensity(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # <origin:intensity_log>
+
+
+def intensity_program() -> Program:
+    """At ``FAIL_STEP`` a dark pixel (intensity 0): log(0) = -inf, and the loss is infinite."""
+    torch.manual_seed(0)
+    model = nn.Sequential(LogIntensity(), nn.Linear(5, 1))
+    g = torch.Generator().manual_seed(17)
+    batches = []
+    for step in range(STEPS):
+        x = 0.1 + torch.rand(8, 5, generator=g)
+        if step == FAIL_STEP:
+            x[3, 0] = 0.0
+        batches.append((x, torch.randn(8, 1, generator=g)))
+    return Program(model, torch.optim.SGD(model.parameters(), lr=1e-2), batches,
+                   lambda m, b, check=True: F.mse_loss(m(b[0]), b[1]))
+
+
+def _checked_after_backward(prog: Program, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> None:
+    prog.opt.zero_grad()
+    loss = loss_fn(prog.model, batch)
+    loss.backward()
+    if not bool(torch.isfinite(loss)):  # the trainer's own check, as detectron2's
+        raise FloatingPointError(f"loss became {loss.item()}")
+    prog.opt.step()
+
+
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_a_users_own_check_after_backward_is_diagnosed_at_close(replayable: bool, one_thread: None) -> None:
+    """The user's own FloatingPointError after backward() is raised where no hook of nantrace's sees it; the loop
+    stops and close() finds a step that reached backward() and not optimizer.step() with a non-finite loss: it
+    is localised as the step's check would have (the log of 0 in the model)."""
+    guard, failures, changed = _after_backward_loop(intensity_program(), replayable, _checked_after_backward,
+                                                    catch=False)
+    assert [s for s, _ in failures] == [FAIL_STEP] and isinstance(failures[0][1], FloatingPointError)
+    [inc] = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        FAIL_STEP, "exception", "forward", "aten.log.default", "0", "log_nonpositive", "raised"), inc.summary
+    assert points_at(inc.source, __file__, "intensity_log")
+    assert inc.details["exception"] is None and "abandoned" in inc.details
+    assert inc.details["observed"] == "nonfinite_loss"
+
+
+def test_a_step_left_after_backward_with_finite_values_records_nothing(one_thread: None) -> None:
+    """Negative: an error of the user's own after backward() (nothing about a value) with a finite loss and
+    gradients: close() finds nothing to diagnose."""
+    prog = intensity_program()
+
+    def step_fn(prog: Program, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> None:
+        prog.opt.zero_grad()
+        loss_fn(prog.model, batch).backward()
+        raise KeyError("metrics_writer")
+
+    prog.batches = prog.batches[:FAIL_STEP]
+    guard, failures, _ = _after_backward_loop(prog, False, step_fn, catch=False)
+    assert [s for s, _ in failures] == [0]
+    assert guard.incidents == []

@@ -259,12 +259,9 @@ class Rows(torch.utils.data.Dataset):
 
 
 CASES: dict[str, tuple[Callable[[Path, bool], Outcome], Want]] = {}
-XFAIL: dict[str, str] = {
-    "hf_compute_loss_calls_submodules_directly_empty_query":
-        "nonfinite_grad/unknown: the watched model's own forward never runs (compute_loss calls "
-        "model.query_encoder/model.doc_encoder), so StepRecorder.active is False, on_loss does not record the "
-        "loss, no tape records and nothing is replayed",
-}
+XFAIL: dict[str, str] = {}
+"""name -> why nantrace is still wrong on it (a strict xfail). Fixed since: a compute_loss that calls the model's
+parts directly (model.query_encoder(...)) is recorded by the parts' own hooks (StepRecorder.part_hooks)."""
 LOW_PRECISION = ("hf_bf16_cpu_sigmoid_rounds_to_one_log1m", "pl_bf16_mixed_one_pass_variance_cancellation_sqrt",
                  "pl_bf16_mixed_training_step_bce_sigmoid_rounds_to_one")
 

@@ -38,14 +38,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Depreca
 
 
 @pytest.fixture(autouse=True)
-def _distributions_validate() -> Any:
-    """torch.distributions validates its arguments by default (``__debug__``), as in a script; but
-    ``torch._dynamo`` turns that default off for the whole process the first time anything is compiled
-    (an earlier test's ``torch.compile``), and the programs that raise here rely on the default."""
-    before = torch.distributions.Distribution._validate_args
-    torch.distributions.Distribution.set_default_validate_args(True)
-    yield
-    torch.distributions.Distribution.set_default_validate_args(before)
+def _distributions_validate(distributions_validate: None) -> None:
+    """The programs that raise here rely on torch.distributions' default validation (conftest)."""
 
 
 FAIL_STEP = 3

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -484,3 +486,387 @@ def test_a_group_added_after_watch_is_checked_not_proven(one_thread):
     assert (incident.step, incident.kind, incident.phase, incident.action) == (2, "nonfinite_param", "optimizer", "skipped")
     assert torch.equal(extra.detach(), torch.ones(3) - 0.05 * 2)  # the two healthy updates only
     assert any("add_param_group" in r for r in guard.update_check.last_reasons)
+
+
+# ---------------------------------------------------------------- what a bad operand of the update is made of
+def _watched_run(model, opt, steps: int = 3, seed: int = 1, *, policy: str = "skip", config=None):
+    """A regression loop under the guard; returns the guard (closed) and the first exception raised, if any."""
+    g = torch.Generator().manual_seed(seed)
+    guard = nantrace.watch(model, opt, on_anomaly=policy,
+                           config=config or nantrace.Config(outputs={"print_incidents": False}))
+    error = None
+    try:
+        for _ in range(steps):
+            x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        error = exc
+    finally:
+        guard.close()
+    return guard, error
+
+
+def _blocking(guard: nantrace.Guard) -> list:
+    return [i for i in guard.incidents if i.action != "logged"]
+
+
+def _here(tag: str) -> str:
+    line = next(i for i, text in enumerate(open(__file__, encoding="utf-8"), 1) if text.rstrip().endswith(f"# <{tag}>"))
+    return f"{os.path.relpath(__file__)}:{line}"
+
+
+def _same_place(source: str | None, tag: str) -> bool:
+    if source is None:
+        return False
+    where, _, line = source.rpartition(":")
+    mine, _, want = _here(tag).rpartition(":")
+    return os.path.samefile(where, mine) and line == want
+
+
+class _BiasCorrectedRMS(torch.optim.Optimizer):
+    """RMSProp with Adam's bias correction, written by hand: v / (1 - beta**t)."""
+
+    def __init__(self, params, lr: float = 1e-2, beta: float = 0.99, eps: float = 1e-8) -> None:
+        super().__init__(params, dict(lr=lr, beta=beta, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["t"], st["v"] = 0, torch.zeros_like(p)
+                st["t"] += 1
+                st["v"].mul_(group["beta"]).addcmul_(p.grad, p.grad, value=1 - group["beta"])
+                v_hat = st["v"] / (1 - group["beta"] ** st["t"])  # <bias-correction>
+                p.addcdiv_(p.grad, v_hat.sqrt().add_(group["eps"]), value=-group["lr"])
+
+
+def test_a_zero_divisor_made_from_the_settings_alone_is_the_settings(one_thread):
+    """beta = 1 ("no decay", a sweep's end point): the bias correction 1 - beta**t is a plain number 0 that no
+    gradient, parameter or state tensor feeds, so 0 / 0 is the settings' doing (``optimizer_state``), and the
+    incident names the setting that, moved off its value alone, makes the update finite. eps is set: no fix
+    about eps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    guard, error = _watched_run(model, _BiasCorrectedRMS(model.parameters(), beta=1.0), steps=2)
+    inc = _blocking(guard)[0]
+    assert error is None
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        0, "nonfinite_param", "optimizer", "aten.div.Tensor", "0", "optimizer_state", "skipped")
+    assert _same_place(inc.source, "bias-correction"), inc.source
+    assert "beta = 1" in inc.summary and "beta = 1" in inc.fix and "eps" not in inc.fix, (inc.summary, inc.fix)
+    assert "lr =" not in inc.summary  # only the setting that alone repairs it
+
+
+def test_an_eps0_adam_whose_second_moment_is_zero_stays_its_state(one_thread):
+    """The negative of the test above: torch's Adam with eps=0 on a zero gradient divides by sqrt(v) + 0, an
+    element-wise function of its state: ``optimizer_state`` with the eps fix, and no setting blamed by the
+    counterfactual (no plain number of the update was 0: moving lr or betas does not repair it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[2].weight.zero_()  # the first layer's gradient is exactly 0 at step 0
+    guard, _ = _watched_run(model, torch.optim.Adam(model.parameters(), lr=1e-2, eps=0.0, foreach=False), steps=1)
+    inc = _blocking(guard)[0]
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        0, "nonfinite_param", "optimizer", "aten.addcdiv_.default", "0", "optimizer_state", "skipped")
+    assert "exp_avg_sq" in inc.summary and "positive eps" in inc.fix and "moved off its value" not in inc.summary
+
+
+class _NormalisedMomentum(torch.optim.Optimizer):
+    """Normalised SGD with momentum (no eps): p -= lr * buf / ||buf||."""
+
+    def __init__(self, params, lr: float = 0.1, momentum: float = 0.9) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad)
+                p.sub_(buf / buf.norm(), alpha=group["lr"])  # <normalised-momentum>
+
+
+def test_a_norm_of_this_steps_update_is_a_division_by_zero_even_without_an_eps_key(one_thread):
+    """The divisor is a norm over this step's update (the momentum buffer the gradient just entered): a layer
+    in front of a zero-initialised one has an all-zero gradient at step 0, ||buf|| = 0, ``div_by_zero`` (the
+    group has no ``eps`` key, which used to turn any divisor with dataflow from the state into the state's
+    fault)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[2].weight.zero_()
+    guard, _ = _watched_run(model, _NormalisedMomentum(model.parameters()), steps=1)
+    inc = _blocking(guard)[0]
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        0, "nonfinite_param", "optimizer", "aten.div.Tensor", "0", "div_by_zero", "skipped")
+    assert _same_place(inc.source, "normalised-momentum"), inc.source
+    assert "norm or sum of this step's update" in inc.summary and "Guard that division" in inc.fix
+
+
+class _RootPreconditioned(torch.optim.Optimizer):
+    """A full-matrix preconditioner on the rows of a 2-d weight: (sum of G G^T + eps I)^(-1/2) G, its square root
+    taken by eigendecomposition; a 1-d parameter gets plain SGD, and ``root_of`` chooses what is rooted."""
+
+    def __init__(self, params, lr: float = 0.01, eps: float = 1e-12, root_of: str = "state") -> None:
+        super().__init__(params, dict(lr=lr, eps=eps))
+        self.root_of = root_of
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.ndim < 2:
+                    p.add_(p.grad, alpha=-group["lr"])
+                    continue
+                if self.root_of == "gradient":  # a plain bug: a root of the raw gradient, no state involved
+                    p.sub_(p.grad.sqrt(), alpha=group["lr"])  # <root-of-gradient>
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["stat"] = torch.zeros(p.shape[0], p.shape[0])
+                st["stat"].add_(p.grad @ p.grad.mT)
+                evals, evecs = torch.linalg.eigh(st["stat"] + group["eps"] * torch.eye(p.shape[0]))
+                inv_root = evecs @ torch.diag(evals.sqrt().reciprocal()) @ evecs.mT  # <root-of-state>
+                p.sub_(inv_root @ p.grad, alpha=group["lr"])
+
+
+def _rank_deficient_run(root_of: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 24), nn.Tanh(), nn.Linear(24, 1))  # 24 rows, rank <= 4 after one batch
+    return _watched_run(model, _RootPreconditioned(model.parameters(), root_of=root_of), steps=1)
+
+
+def test_a_root_of_the_optimizers_state_left_negative_by_rounding_is_its_state(one_thread):
+    """A low-rank statistics matrix kept as state: its zero eigenvalues come out slightly negative, and an eps of
+    1e-12 does not dominate the rounding; sqrt of them is NaN. The negative argument is computed from the state:
+    ``optimizer_state`` (not ``sqrt_negative``), naming the state tensor."""
+    guard, _ = _rank_deficient_run("state")
+    inc = _blocking(guard)[0]
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        0, "nonfinite_param", "optimizer", "aten.sqrt.default", "0", "optimizer_state", "skipped")
+    assert _same_place(inc.source, "root-of-state"), inc.source
+    assert "negative inputs" in inc.summary and "stat" in inc.summary and "epsilon" in inc.fix
+
+
+def test_a_root_of_this_steps_gradient_stays_a_negative_square_root(one_thread):
+    """The negative of the test above: the same optimizer taking the root of the raw gradient (no state on the
+    way): ``sqrt_negative``."""
+    guard, _ = _rank_deficient_run("gradient")
+    inc = _blocking(guard)[0]
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        0, "nonfinite_param", "optimizer", "aten.sqrt.default", "0", "sqrt_negative", "skipped")
+    assert _same_place(inc.source, "root-of-gradient"), inc.source
+
+
+class _ScaledNoiseSGD(torch.optim.Optimizer):
+    """SGD whose step size is lr / scale with the scale a numpy number from a schedule (numpy divides by 0
+    with a warning, to inf)."""
+
+    def __init__(self, params, lr: float = 0.05) -> None:
+        super().__init__(params, dict(lr=lr, scale=np.float64(1.0)))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            size = group["lr"] / group["scale"]
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-size)  # <scaled-step>
+
+
+def test_a_non_finite_plain_number_argument_is_the_settings(one_thread):
+    """A group setting becomes 0 mid-run (a schedule's end point): the op's tensors are finite, its ``alpha`` is
+    -inf. A non-finite plain-number argument is a bad input, not an overflow: ``optimizer_state``, naming the
+    argument and the setting."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = _ScaledNoiseSGD(model.parameters())
+    scales = np.linspace(1.0, 0.0, 3)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(), np.errstate(divide="ignore"):
+        warnings.simplefilter("ignore")
+        with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+            for step in range(3):
+                opt.param_groups[0]["scale"] = scales[step]
+                opt.zero_grad()
+                F.mse_loss(model(torch.randn(16, 4, generator=g)), torch.randn(16, 1, generator=g)).backward()
+                opt.step()
+    inc = _blocking(guard)[0]
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        2, "nonfinite_param", "optimizer", "aten.add_.Tensor", "0", "optimizer_state", "skipped")
+    assert _same_place(inc.source, "scaled-step"), inc.source
+    assert "alpha = -inf" in inc.summary and "scale = 0" in inc.summary and "overflow" not in inc.summary
+
+
+class _NewtonCholesky(torch.optim.Optimizer):
+    """A Gauss-Newton step on a 2-d weight's rows: solve (sum of G G^T + damping I) x = G by Cholesky."""
+
+    def __init__(self, params, lr: float = 0.05, damping: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, damping=damping))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.ndim < 2:
+                    p.add_(p.grad, alpha=-group["lr"])
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["curvature"] = torch.zeros(p.shape[0], p.shape[0])
+                st["curvature"].mul_(0.5).add_(p.grad @ p.grad.mT)
+                damped = st["curvature"] + group["damping"] * torch.eye(p.shape[0])
+                chol = torch.linalg.cholesky(damped)  # <newton-cholesky>
+                p.sub_(torch.cholesky_solve(p.grad, chol), alpha=group["lr"])
+
+
+def test_an_exception_raised_inside_the_optimizers_step_is_diagnosed(one_thread):
+    """The step itself raises (a Cholesky of a rank-deficient curvature kept as state, no damping): an incident
+    of kind ``exception``, phase ``optimizer``, naming the decomposition whose ``info`` reported the failure,
+    the parameter's module and the line; what the step had written before raising is undone, and the user's
+    exception propagates unchanged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 24), nn.Tanh(), nn.Linear(24, 1))
+    biases_first = [{"params": [model[0].bias, model[2].bias]}, {"params": [model[0].weight, model[2].weight]}]
+    opt = _NewtonCholesky(biases_first)
+    before = [p.detach().clone() for p in model.parameters()]
+    guard, error = _watched_run(model, opt, steps=1)
+    assert isinstance(error, torch.linalg.LinAlgError) and not isinstance(error, nantrace.NonFiniteError)
+    (inc,) = guard.incidents
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause, inc.action) == (
+        0, "exception", "optimizer", "aten.linalg_cholesky_ex.default", "0", "domain_error", "raised")
+    assert _same_place(inc.source, "newton-cholesky"), inc.source
+    assert "damping = 0" in inc.summary and "damping" in inc.fix and inc.details["exception"].startswith("_LinAlgError")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the biases had been stepped before it raised
+    assert guard.step == 1  # the call counted
+
+
+def test_a_step_that_raises_for_another_reason_is_no_incident(one_thread):
+    """The negative: damping set, the decomposition succeeds, and the optimizer then fails on a shape of its own
+    making; no value caused it, so no incident, and the exception propagates as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 24), nn.Tanh(), nn.Linear(24, 1))
+    opt = _NewtonCholesky(model.parameters(), damping=1e-3)
+    opt.state[model[0].weight]["curvature"] = torch.zeros(3, 3)  # wrong shape: a mis-loaded checkpoint
+    guard, error = _watched_run(model, opt, steps=1)
+    assert isinstance(error, RuntimeError) and guard.incidents == []
+
+
+class _NoneUnsafeSGD(torch.optim.Optimizer):
+    """SGD that reads every parameter's gradient without checking for None (SGD-HD does)."""
+
+    def __init__(self, params, lr: float = 0.05) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_a_blocked_update_of_an_optimizer_that_needs_every_gradient_is_skipped_cleanly(one_thread):
+    """The guard blocks an update by setting the gradients aside; an optimizer that reads them unconditionally
+    then raises inside step(). That update was not to happen anyway: the step ends as skipped, the weights are
+    as before it, and training goes on (the error is not the user's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = _NoneUnsafeSGD(model.parameters())
+    g = torch.Generator().manual_seed(1)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        for step in range(4):
+            x = torch.randn(16, 4, generator=g)
+            if step == 1:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            F.mse_loss(model(x), torch.randn(16, 1, generator=g)).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            if step == 1:
+                assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+                assert all(p.grad is not None for p in model.parameters())  # given back after the step
+    assert [(i.step, i.kind, i.action) for i in _blocking(guard)] == [(1, "nonfinite_input", "skipped")]
+    assert guard.step == 4 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _RunawayLR(torch.optim.Optimizer):
+    """An optimizer that writes its own learning rate (x1e45 from its second step: a runaway schedule inside step())."""
+
+    def __init__(self, params, lr: float = 0.01) -> None:
+        super().__init__(params, dict(lr=lr, updates=0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if group["updates"] >= 1:
+                group["lr"] *= 1e45
+            group["updates"] += 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(p.grad * group["lr"])
+
+
+def test_undoing_a_failed_update_also_undoes_the_settings_its_step_wrote(one_thread):
+    """step() writes the group's lr and a counter; the update it makes overflows at step 1 and is undone: the
+    weights, and the group's lr and counter too, are as before the step (a skipped update leaves the optimizer
+    as it was)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = _RunawayLR(model.parameters())
+    g = torch.Generator().manual_seed(1)
+    cfg = nantrace.Config(outputs={"print_incidents": False}, detection={"detect_divergence": False})
+    seen = []
+    with nantrace.watch(model, opt, config=cfg) as guard:
+        for step in range(2):
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(16, 4, generator=g)), torch.randn(16, 1, generator=g)).backward()
+            group = opt.param_groups[0]
+            settings = (group["lr"], group["updates"])
+            opt.step()
+            seen.append((settings, (group["lr"], group["updates"])))
+    (inc,) = _blocking(guard)
+    assert (inc.step, inc.kind, inc.phase, inc.cause, inc.action) == (1, "nonfinite_param", "optimizer", "overflow", "skipped")
+    assert seen[1][1] == seen[1][0] == (0.01, 1), seen
+
+
+@pytest.mark.parametrize("scheduler_first", [True, False])
+def test_the_step_wrapper_is_transparent_to_lr_schedulers_and_removed_on_close(one_thread, scheduler_first):
+    """The guard sees an exception escaping optimizer.step() through a wrapper on the instance (declared by its
+    patch label): an LR scheduler made before watch() does not warn that the step was overridden, one made
+    after can still wrap it, and close() leaves the optimizer's attributes as they were."""
+    from nantrace import patches
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if scheduler_first else None
+    held = dict(vars(opt))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
+        assert any(line.startswith("SGD.step") for line in patches.installed())
+        if sched is None:
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            sched.step()
+        guard.close()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025) and guard.step == 2 and guard.incidents == []
+    assert not any(line.startswith("SGD.step") for line in patches.installed())
+    if scheduler_first:
+        assert vars(opt).get("step") is held["step"]

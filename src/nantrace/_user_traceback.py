@@ -39,7 +39,8 @@ import torch
 
 from .errors import NonFiniteError
 
-__all__ = ["diagnosis_lines", "install_excepthook", "show_nonfinite_error", "user_traceback"]
+__all__ = ["HIDDEN_CODES", "diagnosis_lines", "install_excepthook", "show_nonfinite_error", "user_traceback",
+           "without_wrappers"]
 
 _NANTRACE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -70,6 +71,26 @@ def user_traceback(tb: TracebackType | None) -> TracebackType | None:
         outer.tb_next = inner
     kept[-1].tb_next = None
     return kept[0]
+
+
+HIDDEN_CODES: set[Any] = set()
+"""Code objects of nantrace's wrappers that pass a user's exception through (``patches``): never
+shown in the user's traceback."""
+
+
+def without_wrappers(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` without the frames of nantrace's pass-through wrappers (relinked in place)."""
+    head = tb
+    while head is not None and head.tb_frame.f_code in HIDDEN_CODES:
+        head = head.tb_next
+    entry = head
+    while entry is not None:
+        nxt = entry.tb_next
+        while nxt is not None and nxt.tb_frame.f_code in HIDDEN_CODES:
+            nxt = nxt.tb_next
+        entry.tb_next = nxt
+        entry = nxt
+    return head
 
 
 def diagnosis_lines(incident: Any) -> list[str]:

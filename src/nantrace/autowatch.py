@@ -331,4 +331,6 @@ def _script_traceback(exc: BaseException, script: str) -> str:
         first = user_traceback(first)
         return "".join(traceback.format_exception(type(exc), exc, first)) + "\n" + "\n".join(
             diagnosis_lines(exc.incident)) + "\n"
-    return "".join(traceback.format_exception(type(exc), exc, first))
+    from ._user_traceback import without_wrappers
+
+    return "".join(traceback.format_exception(type(exc), exc, without_wrappers(first)))

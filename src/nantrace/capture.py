@@ -103,6 +103,14 @@ class ForwardRecord:
     """False for a forward run under ``torch.no_grad()`` inside the step (pseudo-labels, a PPO
     policy's old log-probabilities, a DPO reference pass): replayed under no_grad too, so that its
     outputs feed the replayed loss code without adding a gradient path the real step did not have."""
+    tape_at: int = 0
+    """How many loss-code calls the step's tape had kept when this forward began: a replay of the
+    whole step issues them first (the real order: a part of the model called on a value the loss
+    code made, a micro-batch's forward after the previous one's loss)."""
+    module: str = ""
+    """The dotted path of the part of the watched model this call ran, ``""`` for the model itself:
+    loss code that calls ``model.query_encoder(...)`` or a root method such as ``model.encode(x)``
+    never runs the model's own forward, and its parts' calls are what the step is replayed from."""
 
 
 @dataclasses.dataclass
@@ -193,9 +201,17 @@ class StepCapture:
 
     def with_forwards(self, forwards: list[ForwardRecord]) -> "StepCapture":
         """A copy of this capture with other forward records (e.g. rescaled inputs), the rest shared."""
-        out = StepCapture(losses=self.losses, forwards=forwards, calls=self.calls, inputs_ok=self.inputs_flag,
+        return self._copy(forwards, self.calls)
+
+    def without_calls(self) -> "StepCapture":
+        """A copy of this capture without its ``replayable`` calls: the step as zero-code mode sees it
+        (the model's forwards and the loss tape), the rest shared."""
+        return self._copy(self.forwards, [])
+
+    def _copy(self, forwards: list[ForwardRecord], calls: list[CallRecord]) -> "StepCapture":
+        out = StepCapture(losses=self.losses, forwards=forwards, calls=calls, inputs_ok=self.inputs_flag,
                           outputs_ok=self.outputs_flag, local_grads_ok=self.local_grads_ok, tape=self.tape,
-                          gradient_tape=self.gradient_tape)
+                          prelude=self.prelude, gradient_tape=self.gradient_tape)
         out.input_extremes, out.output_extremes = self.input_extremes, self.output_extremes
         return out
 

@@ -45,7 +45,7 @@ from .dynamics.registry import build_monitors
 from .errors import NonFiniteError
 from .fsdp_grad_check import watch_fsdp_local_grads
 from .incident import Incident
-from .patches import BACKWARD, EXCEPTHOOK, PatchUnit
+from .patches import BACKWARD, EXCEPTHOOK, FUNCTION_APPLY, VALUE_CHECK_FUNCTIONS, PatchUnit
 from .reporting import Reporter
 from .response.checkpoints import CheckpointGate
 from .response.escalation import EscalationLadder
@@ -199,6 +199,8 @@ class Guard:
                 self._handles.append(rec.quiet(owner))
         self._handles.append(self.model.register_forward_pre_hook(rec.forward_pre, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(rec.forward_post, with_kwargs=True, always_call=True))
+        if not self.sharded and not hasattr(self.model, "_orig_mod"):  # a compiled graph would trace the parts' hooks
+            rec.watch_parts(self.root)
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
@@ -206,6 +208,9 @@ class Guard:
             patch_scaler(self, self._patches)
         self._patches.listen(BACKWARD, rec.on_loss)
         self._patches.listen(EXCEPTHOOK, self.diagnose_exception)
+        self._patches.listen(VALUE_CHECK_FUNCTIONS, self.note_exception)
+        if rec.tape is not None:
+            self._patches.listen(FUNCTION_APPLY, _no_listener)
         fsdp_check = watch_fsdp_local_grads(self) if self.sharded and self.world_size > 1 else None
         if fsdp_check is not None:
             self._handles.append(fsdp_check)  # removed by close()
@@ -251,6 +256,8 @@ class Guard:
     # ------------------------------------------------------------ the optimizer's step
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         self.recorder.pause_tape()
+        if self.update_check is not None and self.update_check.on_raise is None:
+            self.update_check.on_raise = self._optimizer_raised
         if self._pending_exception is not None:  # the user caught a failure of this step and went on
             self.diagnose_exception(self._pending_exception)
         if self.closed:
@@ -278,6 +285,43 @@ class Guard:
         if positional:
             return (args[0], checked, *args[2:]), kwargs
         return args, {**kwargs, "closure": checked}
+
+    def _optimizer_raised(self, optimizer: torch.optim.Optimizer, exc: Exception) -> bool:
+        """An exception escaped ``optimizer.step()`` (the post-hook never ran); ``True`` swallows it.
+
+        The guard had blocked the update (gradients set aside) and the optimizer's code failed for
+        want of them (SGD-HD reads every ``p.grad``): the update did not happen, as decided, so the
+        step ends as a blocked one and training goes on. Otherwise the step is replayed on copies
+        (``update_replay.step_exception_incident``): when a value caused it (a decomposition of a
+        singular matrix, a NaN the step made) it is an incident of kind ``exception``, what the
+        update had written is undone, and the user's exception propagates unchanged."""
+        decision = self._decision
+        if self.closed or self.state.replaying or decision is None or isinstance(exc, NonFiniteError):
+            return False
+        if decision.block and decision.stashed is not None:
+            self._optimizer_post(optimizer, (), {})
+            return True
+        if self.sharded or getattr(exc, "_nantrace_seen", False) or self.update_check is None:
+            return False
+        from .diagnosis.update_replay import step_exception_incident
+
+        self.update_check.abandon()
+        try:
+            with torch.no_grad():
+                incident = step_exception_incident(self.watched, exc, self.reporter.history)
+        except Exception:  # evidence, not the user's failure: without it, nothing is recorded
+            return False
+        if incident is None:
+            return False
+        with contextlib.suppress(AttributeError, TypeError):
+            exc._nantrace_seen = True  # type: ignore[attr-defined]
+        decision.incident = incident
+        if self.store is not None and self.config.outputs.save_bundle:
+            self.reporter.write_bundle(incident)
+        self.reporter.record(incident)
+        self.restore_grads(decision)
+        self.finish_step(decision, raised=True)
+        return False
 
     def _checked_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
@@ -427,6 +471,12 @@ class Guard:
         """
         if not self.closed and not self.state.replaying and isinstance(exc, Exception) and self._pending_exception is None:
             self._pending_exception = exc
+            gradient_tape = self.recorder.gradient_tape
+            if gradient_tape is not None and gradient_tape.recording and self._decision is None:
+                # raised between backward() and optimizer.step() (clip_grad_norm_'s error_if_nonfinite), outside any
+                # forward: safe to replay now, while the gradients are still the step's (a loop that catches it
+                # zeroes them before any later safe point)
+                self.diagnose_exception(exc)
 
     def diagnose_exception(self, exc: BaseException, *, announce: bool = True) -> Incident | None:
         """Diagnose an exception the current step raised (called by nantrace's own hooks: the
@@ -465,7 +515,8 @@ class Guard:
             return incident
         try:
             with torch.no_grad():
-                found = diagnose_exception(self.watched, incident, self.recorder.capture, exc)
+                found = diagnose_exception(self.watched, incident, self.recorder.capture, exc,
+                                           judged=self._decision is not None)
         except Exception as err:  # never replace the user's exception with ours
             incident.details["localisation_error"] = f"{type(err).__name__}: {err}"
             found = is_value_message(str(exc))
@@ -628,6 +679,7 @@ class Guard:
         where it was raised (the loop caught it and went on), or one still propagating as the guard
         closes (``close()`` in a ``finally``, where ``sys.exc_info()`` is that exception). Each
         exception is diagnosed once, and left to propagate unchanged."""
+        self.recorder.pause_tape()  # what close() itself runs is not the step's code
         seen = self._pending_exception is not None
         if self._pending_exception is not None:
             self.diagnose_exception(self._pending_exception)
@@ -639,15 +691,16 @@ class Guard:
 
     def _diagnose_abandoned_step(self) -> Incident | None:
         """The run ends (``close()``) inside a training step that ran the model's forward (grad on, model
-        in training mode) and never reached ``backward()``: a check written in Python (torch.distributions'
-        validation) raised between two taped calls, outside any hook of nantrace's, and the loop caught
-        it. Replayed once, here: an incident (kind ``exception``) only when the replay shows the bad value
-        (a non-finite value created, a decomposition of a singular matrix); a healthy forward records nothing."""
+        in training mode) and never reached ``optimizer.step()``: a check written in Python (torch.distributions'
+        validation, the user's own check of the losses after ``backward()``) raised outside any hook of
+        nantrace's, and the loop caught it. Before ``backward()``, replayed once, here: an incident (kind
+        ``exception``) only when the replay shows the bad value (a non-finite value created, a decomposition of
+        a singular matrix); after it, only when the step's loss or gradients are non-finite (then localised as
+        the step's check would). A healthy step records nothing."""
         capture, rec = self.recorder.capture, self.recorder
-        tape = capture.tape
-        if (not rec.active or capture.losses or (tape is not None and (tape.losses or tape.loss is not None))
-                or not self.root.training or self.sharded or self.closed or self.state.replaying):
-            return None
+        if (not rec.active or not self.root.training or self.sharded or self.closed or self.state.replaying
+                or self._decision is not None):  # the step's own check has judged it (a pause raised in its step)
+            return None  # a step past backward() is judged by its real loss and gradients (diagnose_exception)
         from .localisation.exceptions import diagnose_exception
 
         incident = self.reporter.new(kind="exception", cause="unknown", summary="", fix="", action=Action.RAISED)
@@ -683,6 +736,10 @@ class Guard:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"<nantrace.Guard {state} step={self.step} incidents={len(self.incidents)} policy={self.policy!r}>"
+
+
+def _no_listener(*args: Any) -> None:
+    """A patch that only needs to be on while the guard is open (``patches.FUNCTION_APPLY``)."""
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -52,6 +52,10 @@ _READS = frozenset({
     "stride", "storage_offset", "is_contiguous", "__hash__", "__eq__", "__ne__", "backward", "register_hook",
     "retain_grad", "__reduce_ex__", "__deepcopy__", "untyped_storage", "_version", "__array__",
 })
+_HOOKS = frozenset({"register_hook"})
+"""A gradient hook the loss code puts on one of its tensors (a gradient reversal, a normalisation of
+a feature's gradient): kept by the loss tape, so that a replay registers it on the replayed tensor and
+its code runs in the replay's backward, as it ran in the real one."""
 _STOPS = frozenset({"backward"})
 _PLAIN = frozenset({int, float, bool, str, complex, torch.dtype, torch.device})
 _GRAD = torch._C.TensorBase.grad
@@ -147,6 +151,19 @@ _GRADIENT_TAPES: "weakref.WeakSet[LossTape]" = weakref.WeakSet()
 """Every live gradient tape (:func:`recording_gradient_tapes`)."""
 
 
+_TAPES: "weakref.WeakSet[LossTape]" = weakref.WeakSet()
+"""Every live tape (:func:`recording_tapes`)."""
+
+
+def recording_tapes() -> list["LossTape"]:
+    """The tapes that would keep a call made now (recording, outside nantrace's own work and a
+    compiled graph): a custom ``autograd.Function`` the step's code applies is kept by them as one
+    call (``patches.FUNCTION_APPLY``), so that a replay recreates its node and runs its backward."""
+    if not _TAPES or _Untaped.depth or torch.compiler.is_compiling():
+        return []
+    return [t for t in _TAPES if t.recording]
+
+
 def recording_gradient_tapes() -> list["LossTape"]:
     """The gradient tapes recording now: a library call of many small ops on the gradients (a
     ``clip_grad_norm_``) is kept by them as one call (:meth:`LossTape.keep_call`), its own ops untaped."""
@@ -174,6 +191,7 @@ class LossTape(TorchFunctionMode):
         the id stays its own until the step ends; its :class:`GradRef`)."""
         if gradients:
             _GRADIENT_TAPES.add(self)
+        _TAPES.add(self)
         self.outputs: list[list[Any]] = []
         """Prelude only: weak references to each call's tensor outputs."""
         self._restarts = 0
@@ -312,6 +330,11 @@ class LossTape(TorchFunctionMode):
                 if self.on_exception is not None:
                     self.on_exception(exc)
             raise
+        if name in _HOOKS and not self.prelude and not self.gradients and len(self.entries) < self.limit \
+                and args and args[0] in self._made:
+            self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2),
+                                      self._running_module()))
+            return out
         if name in _READS or name in _SIDE_EFFECTS or not (out is None or isinstance(out, (torch.Tensor, tuple, list))):
             return out
         outs = tensors_of(out)
@@ -369,9 +392,13 @@ class LossTape(TorchFunctionMode):
             self.truncated = True
             return
         index = len(self.entries)
-        self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), source))
-        for slot, t in enumerate(tensors_of(out)):
+        self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), source,
+                                  None if self.gradients or self.prelude else self._running_module()))
+        outs = tensors_of(out)
+        for slot, t in enumerate(outs):
             self._made[t] = Ref(index, slot)
+        if self.prelude:
+            self.outputs.append([weakref.ref(t) for t in outs])
 
     def _start_over(self) -> None:
         """A full prelude forgets its calls and goes on: the calls nearest the forward matter, and
@@ -402,6 +429,10 @@ class LossTape(TorchFunctionMode):
         if isinstance(obj, dict):
             return {k: self._encode(v, depth + 1) for k, v in obj.items()}
         return obj
+
+    def ref_of(self, t: torch.Tensor) -> Ref | None:
+        """Which kept call made ``t`` (in the step being recorded), if one did."""
+        return self._made.get(t)
 
     def note_loss(self, loss: torch.Tensor) -> None:
         """The tensor ``backward()`` was called on: where a replay of the tape ends."""

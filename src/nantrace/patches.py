@@ -30,6 +30,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import sys
 import threading
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKWARD", "CLIP_FUNCTIONS", "DECLARED", "EXCEPTHOOK", "AttributePatch", "Declared", "FunctionPatch",
+__all__ = ["BACKWARD", "CLIP_FUNCTIONS", "DECLARED", "EXCEPTHOOK", "FUNCTION_APPLY", "VALUE_CHECK_FUNCTIONS", "AttributePatch", "Declared", "FunctionPatch",
            "PatchUnit", "install_user_traceback", "installed", "patch_attribute"]
 
 
@@ -65,6 +66,15 @@ DECLARED: tuple[Declared, ...] = (
              "torch.nn.utils.clip_grads_with_norm_",
              "the clipping monitor sees the pre-clip norm (Config.dynamics.clip_stats); while a gradient tape records, "
              "the clip is kept on it as one call", "while a clip monitor is attached"),
+    Declared("torch.distributions.distribution.Distribution.__init__ and ._validate_sample (the class)",
+             "sees the ValueError torch.distributions' validation raises from Python, so a step whose loop catches "
+             "it is still diagnosed", "while a guard is open"),
+    Declared("torch.autograd.function.Function.apply (the class's classmethod)",
+             "a custom autograd.Function applied by the step's code is kept by the loss tape as one call, so a "
+             "replay runs its backward", "while a guard is open"),
+    Declared("optimizer.step on the watched optimizer instance",
+             "an exception escaping the update (a decomposition inside a K-FAC or Shampoo step) is undone and "
+             "diagnosed; the wrapper passes it on unchanged", "while the guard's update check is open"),
     Declared("GradScaler.scale, .unscale_, .step on the watched scaler instance",
              "the scaled loss, whether gradients were unscaled, and the decision before scaler.step",
              "while the guard watching that scaler is open"),
@@ -136,26 +146,35 @@ class FunctionPatch:
         it had found before we wrapped it); cheap enough to call once per step."""
         if not self._listeners:
             return
-        current = getattr(self._owner(), self._attr, None)
-        if self._layers and _reaches(current, self._layers[-1]):
+        if self._layers and self._in_place():
             return
         with self._lock:
             if self._listeners:
                 self._activate()
+
+    def _in_place(self) -> bool:
+        """Our newest layer is in the chain the attribute holds."""
+        return _reaches(getattr(self._owner(), self._attr, None), self._layers[-1])
 
     def tidy(self) -> None:
         """Called by an idle layer: if another tool has since put it back on top, leave the chain."""
         if self._listeners or not self._layers:
             return
         with self._lock:
-            if not self._listeners and self._layers and getattr(self._owner(), self._attr, None) is self._layers[-1]:
-                setattr(self._owner(), self._attr, self._layers.pop()._nantrace_original)  # type: ignore[attr-defined]
+            if not self._listeners and self._layers:
+                self._deactivate()
 
     def _owner(self) -> Any:
         if self._module == "sys":
             return sys
         owner = sys.modules.get(self._module)  # a dict look-up: ``ensure`` asks once per step
-        return owner if owner is not None else importlib.import_module(self._module)
+        if owner is not None:
+            return owner
+        try:
+            return importlib.import_module(self._module)
+        except ImportError:  # ``package.module.Class``: a class's attribute
+            module, _, cls = self._module.rpartition(".")
+            return getattr(importlib.import_module(module), cls)
 
     def _activate(self) -> None:
         owner = self._owner()
@@ -243,7 +262,9 @@ def _wrap_excepthook(original: Callable[..., Any], patch: FunctionPatch) -> Call
 
                 show_nonfinite_error(exc_type, exc, tb)
             else:
-                original(exc_type, exc, tb)
+                from ._user_traceback import without_wrappers
+
+                original(exc_type, exc, without_wrappers(tb))
             for listener in listeners:
                 try:
                     listener(exc)
@@ -286,6 +307,97 @@ CLIP_FUNCTIONS: tuple[FunctionPatch, ...] = (
     FunctionPatch("torch.nn.utils.clip_grads_with_norm_", _clip_wrapper("with_norm")),
 )
 """Listeners: ``(params, max_norm, norm_type, total_norm) -> None`` after each clipping call."""
+
+
+# ------------------------------------------------------------------ value checks written in Python
+def _wrap_value_check(original: Callable[..., Any], patch: FunctionPatch) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        patch.enter()
+        try:
+            return original(*args, **kwargs)
+        except ValueError as exc:
+            for listener in patch.listeners():
+                listener(exc)
+            raise
+        finally:
+            patch.leave()
+
+    return checked
+
+
+def _hide_value_check_frames() -> None:
+    from ._user_traceback import HIDDEN_CODES
+
+    HIDDEN_CODES.add(_wrap_value_check(lambda: None, None).__code__)  # type: ignore[arg-type]
+
+
+_hide_value_check_frames()
+
+VALUE_CHECK_FUNCTIONS: tuple[FunctionPatch, ...] = (
+    FunctionPatch("torch.distributions.distribution.Distribution.__init__", _wrap_value_check),
+    FunctionPatch("torch.distributions.distribution.Distribution._validate_sample", _wrap_value_check),
+)
+"""torch.distributions' argument and sample validation (on by default): it raises ``ValueError`` from
+Python, between two ops, where no tape or hook of the guard's sees it. Listeners: ``(exception) -> None``
+as it leaves the check (a loop that catches it and trains on still gets the step diagnosed)."""
+
+
+# ------------------------------------------------------------------ torch.autograd.Function.apply
+class ClassMethodPatch(FunctionPatch):
+    """A classmethod of a class wrapped while at least one listener needs it; ``wrap(original, patch)``
+    gets the underlying function (called with the class first)."""
+
+    def _activate(self) -> None:
+        owner = self._owner()
+        raw = owner.__dict__.get(self._attr)
+        if not isinstance(raw, classmethod) or getattr(raw.__func__, "_nantrace_patch", None) == self.target:
+            return
+        layer = self._wrap(raw.__func__, self)
+        layer._nantrace_patch = self.target  # type: ignore[attr-defined]
+        layer._nantrace_original = raw  # type: ignore[attr-defined]
+        setattr(owner, self._attr, classmethod(layer))
+        self._layers.append(layer)
+
+    def _deactivate(self) -> None:
+        owner = self._owner()
+        raw = owner.__dict__.get(self._attr)
+        if self._layers and isinstance(raw, classmethod) and raw.__func__ is self._layers[-1]:
+            setattr(owner, self._attr, self._layers.pop()._nantrace_original)  # type: ignore[attr-defined]
+
+    def _in_place(self) -> bool:
+        raw = self._owner().__dict__.get(self._attr)
+        return isinstance(raw, classmethod) and getattr(raw.__func__, "_nantrace_patch", None) == self.target
+
+
+def _wrap_function_apply(original: Callable[..., Any], patch: FunctionPatch) -> Callable[..., Any]:
+    from .localisation.tracer import user_source
+    from .loss_tape import recording_tapes, untaped
+
+    def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        tapes = recording_tapes()
+        if not tapes:
+            return original(cls, *args, **kwargs)
+        with untaped():  # its forward's ops are the Function's, not the step's code
+            out = original(cls, *args, **kwargs)
+        source = user_source(2)
+        for tape in tapes:
+            tape.keep_call(cls.apply, args, kwargs, out, source)
+        return out
+
+    apply.__wrapped__ = original  # type: ignore[attr-defined]
+    apply.__doc__, apply.__qualname__ = original.__doc__, original.__qualname__
+    from ._user_traceback import HIDDEN_CODES
+
+    HIDDEN_CODES.add(apply.__code__)  # an error in a Function's forward shows the user's frames, not this one
+    return apply
+
+
+FUNCTION_APPLY = ClassMethodPatch("torch.autograd.function.Function.apply", _wrap_function_apply)
+"""A custom ``autograd.Function`` applied by the step's code (a straight-through estimator, a blackbox
+solver, a gradient reversal in the loss code) is kept by the recording tapes as one call: taped op by op,
+its forward's ops would replay without its node, so its backward, the user's code, would never run.
+Listeners: none are called; the patch is on while a guard is open."""
 
 
 # ------------------------------------------------------------------ attributes of one object
@@ -369,7 +481,7 @@ class PatchUnit:
 def installed() -> list[str]:
     """What nantrace has patched in this process right now, one line each."""
     out = []
-    for p in (BACKWARD, EXCEPTHOOK, *CLIP_FUNCTIONS):
+    for p in (BACKWARD, EXCEPTHOOK, *CLIP_FUNCTIONS, *VALUE_CHECK_FUNCTIONS, FUNCTION_APPLY):
         if p.installed:
             out.append(f"{p.target} ({len(p._listeners)} listener{'s' if len(p._listeners) != 1 else ''})")
     out.extend(sorted(f"{h.label} ({h.purpose})" for h in list(AttributePatch._live)))

@@ -45,6 +45,10 @@ _RECORDERS: "weakref.WeakSet[StepRecorder]" = weakref.WeakSet()
 its graph reaches (``StepRecorder._reaches_model``)."""
 _GRAPH_WALK_LIMIT = 100_000
 
+_PARTS_RETRY = 64
+"""A backward that reaches no watched parameter, with nothing of the model captured, walks its graph
+again only after this many such backwards (another model's loss, a model frozen for a phase)."""
+
 _PRELUDES: "weakref.WeakSet[LossTape]" = weakref.WeakSet()
 """Every live guard's prelude tape: a watched model's forward ends them all (see ``forward_pre``)."""
 
@@ -64,6 +68,9 @@ class StepRecorder:
         """The tape of the step's code between ``backward()`` and ``optimizer.step()`` (clipping, a
         gradient normalised or averaged by hand), so gradients it made non-finite are traced to it."""
         self.buffers = BufferPlan(watched.root, cfg.localisation.snapshot_buffers)
+        self._parts_root: "weakref.ref[nn.Module] | None" = None
+        self._part_handles: list[Any] = []
+        self._parts_retry = 0  # steps until a backward with nothing captured may walk its graph again
         self._on_exception: Callable[[], Callable[[BaseException], None] | None] = (
             weakref.WeakMethod(on_exception) if hasattr(on_exception, "__self__") else lambda: on_exception
         )  # the guard owns the recorder: hold its method weakly, so a dropped guard is freed at once
@@ -85,6 +92,8 @@ class StepRecorder:
         self._nograd_kept = 0
         self._nograd: ForwardRecord | None = None
         self._resume: list[LossTape] = []
+        self._depth = 0  # forwards of the model or its parts running now
+        self._parts_used = False  # a part was called from outside the model's forward in this step
         if self.tape is not None:
             self.tape.reset()
         if self.prelude is not None:
@@ -95,6 +104,9 @@ class StepRecorder:
 
     def reset(self) -> None:
         """Start the next step's capture."""
+        if self._part_handles and not self._parts_used and any(f.grad_enabled and not f.module
+                                                               for f in self.capture.forwards):
+            self._unhook_parts()  # the step's code calls the model itself, not its parts
         self.capture = self._new_capture()
 
     def swap(self, capture: StepCapture) -> StepCapture:
@@ -129,6 +141,68 @@ class StepRecorder:
 
     # ------------------------------------------------------------ the model's forward
     def forward_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._depth += 1
+        self._begin(args, kwargs, "")
+
+    def forward_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        self._depth = max(self._depth - 1, 0)
+        self._end(output)
+
+    def part_pre(self, path: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A part of the watched model is called (hooked by :meth:`watch_parts`): recorded only when
+        no forward of the model or of another part is running, i.e. when the step's code called it
+        directly (``model.query_encoder(q)`` in a ``compute_loss``, ``self.encoder(x)`` in a
+        ``training_step``, ``model.encode(x)`` calling its encoder)."""
+        if _in_backward():  # a checkpointed part recomputed by the backward: not a call of the step's code
+            return
+        self._depth += 1
+        if self._depth == 1:
+            self._parts_used = True
+            self._begin(args, kwargs, path)
+
+    def part_post(self, path: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if _in_backward():
+            return
+        self._depth = max(self._depth - 1, 0)
+        if self._depth == 0:
+            self._end(output)
+
+    def watch_parts(self, root: nn.Module) -> None:
+        """Hook the parts of ``root`` that loss code may call without calling ``root``: its children,
+        and the members of its ``ModuleList``/``ModuleDict`` children. Inside the model's own forward
+        the hooks only count calls (about 2 µs a call); they are taken off after the first step that
+        ran the model's forward and called no part from outside it, and put back if a later step's
+        backward reaches the model with nothing of it captured (:meth:`on_loss`)."""
+        self._parts_root = weakref.ref(root)
+        self._hook_parts()
+
+    def _hook_parts(self) -> None:
+        root = self._parts_root() if self._parts_root is not None else None
+        if root is None or self._part_handles:
+            return
+        parts: list[tuple[str, nn.Module]] = []
+        for name, child in root.named_children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                parts.extend((f"{name}.{sub}", m) for sub, m in child.named_children())
+            else:
+                parts.append((name, child))
+        for path, part in dict((id(m), (p, m)) for p, m in reversed(parts)).values():  # a module shared by two paths: its first
+            self._part_handles.append(part.register_forward_pre_hook(functools.partial(self.part_pre, path),
+                                                                     with_kwargs=True))
+            self._part_handles.append(part.register_forward_hook(functools.partial(self.part_post, path),
+                                                                 with_kwargs=True, always_call=True))
+
+    def _unhook_parts(self) -> None:
+        for handle in self._part_handles:
+            handle.remove()
+        self._part_handles = []
+
+    @property
+    def parts_hooked(self) -> bool:
+        """Calls of the model's parts from outside its forward are being recorded."""
+        return bool(self._part_handles)
+
+    def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any], path: str) -> None:
         if not torch.is_grad_enabled():  # taping goes on after it where it was going on before it
             self._resume = [t for t in (self.prelude, self.tape) if t is not None and t.recording]
         self.pause_tape()  # the model's own ops are replayed from its inputs, not taped
@@ -149,14 +223,15 @@ class StepRecorder:
             self._nograd_kept += 1
         with untaped():  # this guard's work, not another guard's loss code
             record = ForwardRecord(args=args, kwargs=kwargs, rng=RngState.current(), autocast=AutocastState.current(),
-                                   buffers=self.buffers.snapshot(), grad_enabled=grad, call_site=user_source(2))
+                                   buffers=self.buffers.snapshot(), grad_enabled=grad, call_site=user_source(3),
+                                   module=path, tape_at=len(self.tape.entries) if self.tape is not None else 0)
             self.capture.forwards.append(record)
             if not grad:
                 self._nograd = record
-            elif self.watched.config.detection.check_inputs:
+            elif self.watched.config.detection.check_inputs and not path:  # a part's input may be another part's output
                 self.capture.note_inputs(floating_tensors((args, kwargs)))
 
-    def forward_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _end(self, output: Any) -> None:
         if output is None and sys.exc_info()[1] is not None:  # the forward raised (an always-called hook)
             self._exception(sys.exc_info()[1])  # type: ignore[arg-type]
             return
@@ -204,6 +279,12 @@ class StepRecorder:
             self.record_loss(loss)
             if self.gradient_tape is not None:
                 return self._after_backward
+        elif not self.active and self._parts_root is not None and not self._part_handles:
+            self._parts_retry -= 1
+            if self._parts_retry <= 0:
+                self._parts_retry = _PARTS_RETRY
+                if self._reaches_model(loss):  # the model's parts are called directly: record them from now on
+                    self._hook_parts()
         return None
 
     def _after_backward(self) -> None:
@@ -267,6 +348,8 @@ class StepRecorder:
         return wrapper  # type: ignore[return-value]
 
     def close(self) -> None:
+        self._unhook_parts()
+        self._parts_root = None
         _RECORDERS.discard(self)
         if self.prelude is not None:
             _PRELUDES.discard(self.prelude)
@@ -277,6 +360,15 @@ class StepRecorder:
         if self.gradient_tape is not None:
             self.gradient_tape.detach()
         self.capture = StepCapture()
+
+
+_graph_task = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (it recomputes checkpointed
+    modules from there)."""
+    return _graph_task is not None and _graph_task() != -1
 
 
 def _keep_grad(record: ForwardRecord, index: int, grad: torch.Tensor) -> None:

@@ -7,14 +7,17 @@ detector needs none. It watches each positive series for *consecutive multiplica
 growth*: a run of ``min_steps`` or more increases in a row whose total factor is at least
 ``min_factor`` (one increase fewer when the factor is at least ``min_factor**3``: a growth
 that steep leaves no time to wait) and whose logarithm is well fitted by a straight line (an exponential,
-R² >= 0.8), and which has reached a new high against the series' own recent past. When
-the series has history, the growth must also stand out from its step-to-step noise.
+R² >= 0.8) or speeds up (a super-exponential growth, whose log is convex: the last three log-increases
+do not shrink, and the run had already grown ``min_factor``-fold before its last value), and which has
+reached a new high against the series' own recent past. When the series has history, the growth must
+also stand out from its step-to-step noise.
 
 Why these conditions give no false alarm on healthy runs: a healthy loss falls or
 fluctuates; four increases in a row of a noisy series are rare (1 in 120 for independent
 noise), and when they happen their total stays within the noise, or one heavy-tailed
-value makes most of it (a spike, badly fitted by an exponential), or it does not exceed
-what the run has already seen. A gradient norm, on the other hand, legitimately grows
+value makes most of it (a spike, badly fitted by an exponential, and no acceleration either:
+the rise before it was small, or the value after it rises less), or it does not exceed what the
+run has already seen. A gradient norm, on the other hand, legitimately grows
 for many steps early in training while the loss falls fast; so the gradient norm alone
 counts only once the loss has a history and is not falling (at or above its recent median).
 When both grow, the cause is ``gradient_explosion`` if the norm began growing first.
@@ -61,6 +64,8 @@ class Growth:
     per_step: float
     """Growth factor per step of the fitted exponential."""
     r2: float
+    accelerating: bool = False
+    """Accepted because it speeds up (super-exponential), not because an exponential fits it."""
 
 
 class GrowthTracker:
@@ -146,7 +151,22 @@ class GrowthTracker:
         elif self._past and k < self.min_steps:
             lows.append(self._level() * self.min_factor ** 3)  # type: ignore[operator]
         low = math.log(max(lows))
-        return [(math.exp(max(a, low)), math.exp(b)) for a, b in self._sums.r2_intervals() if b >= low]
+        ranges = [(math.exp(max(a, low)), math.exp(b)) for a, b in self._sums.r2_intervals() if b >= low]
+        speeding = self._speeding_from()
+        if speeding is not None:  # or it speeds up: a log-increase at least the last one's
+            ranges.append((math.exp(max(low, speeding)), math.inf))
+        return ranges
+
+    def _speeding_from(self) -> float | None:
+        """The log of the smallest next value with which the run speeds up (:meth:`_speeds_up`), or
+        None when the run as it is rules that out."""
+        run = self._run
+        if len(run) < 3 or run[-1][1] < run[0][1] * self.min_factor:
+            return None
+        y0, y1, y2 = (math.log(v) for _, v in run[-3:])
+        if y2 - y1 < y1 - y0:
+            return None
+        return y2 + (y2 - y1)
 
     def _extend(self, step: int, value: float) -> None:
         self._run.append((step, value))
@@ -172,8 +192,12 @@ class GrowthTracker:
         if len(run) - 1 < max(2, self.min_steps - 1):
             return None
         growth = self._growth()
-        if growth.factor < self.min_factor or growth.r2 < _MIN_R2:
+        if growth.factor < self.min_factor:
             return None
+        if growth.r2 < _MIN_R2:
+            if not self._speeds_up():
+                return None
+            growth = dataclasses.replace(growth, accelerating=True)
         if growth.steps < self.min_steps and growth.factor < self.min_factor ** 3:
             return None  # one increase short: only a growth this steep counts already
         if self._past and growth.value <= max(v for _, v in self._past):
@@ -186,6 +210,16 @@ class GrowthTracker:
             if level is not None and growth.value < level * self.min_factor ** 3:
                 return None  # the short, steep run rose from a trough of a noisy start, not from where the series sits
         return growth
+
+    def _speeds_up(self) -> bool:
+        """The growth accelerates (super-exponential, convex in log: cubic features, a learning rate that
+        grows itself): its last three log-increases do not shrink, and the run had already grown by
+        ``min_factor`` before its last value, so a slow rise that ends in one spike is not it."""
+        run = self._run
+        if len(run) < 4 or run[-2][1] < run[0][1] * self.min_factor:
+            return False
+        y0, y1, y2, y3 = (math.log(v) for _, v in run[-4:])
+        return y1 - y0 <= y2 - y1 <= y3 - y2
 
     def _level(self) -> float | None:
         """The median of the recent healthy past: where a series sits while its history is too short
@@ -312,8 +346,9 @@ class Divergence:
     def summary(self, step: int) -> str:
         g = self.growth
         name = "loss" if g.series == "loss" else "gradient norm"
+        rate = "growing faster every step" if g.accelerating else f"×{g.per_step:.2f} per step, fitted exponential"
         text = (f"The {name} is diverging: it grew {g.factor:.3g}× in {g.steps} steps in a row since step {g.since_step} "
-                f"({g.start_value:.4g} → {g.value:.4g}, ×{g.per_step:.2f} per step, fitted exponential)")
+                f"({g.start_value:.4g} → {g.value:.4g}, {rate})")
         if self.continuing:
             text = f"The divergence goes on at step {step}: the {name} is {g.value:.4g}, still far above {g.start_value:.4g} (step {g.since_step})"
         if self.other is not None:

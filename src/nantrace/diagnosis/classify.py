@@ -152,6 +152,10 @@ def _forward_cause(rec: OpRecord, ctx: RuleContext) -> Verdict:
             return "precision_overflow", f"its inputs already carry the rounding: {str(dtype).removeprefix('torch.')} " \
                 f"keeps {bits} significant bits", facts
         return "precision_overflow", f"{str(dtype).removeprefix('torch.')} max is {torch.finfo(dtype).max:g}", facts
+    if ctx.low_precision_finite:  # the op ran in float32 on values rounded upstream (an upcast after a bf16 sigmoid)
+        facts["rounded_upstream"] = True
+        return "precision_overflow", (f"it ran in {str(dtype).removeprefix('torch.')} on values already rounded in "
+                                      "float16/bfloat16 upstream; the whole step in float32 is finite"), facts
 
     for family, rule in FORWARD_RULES:
         if short in family:
@@ -326,6 +330,13 @@ def _backward_cause(rec: OpRecord, fwd: OpInfo | None, ctx: RuleContext) -> Verd
     short = short_op(fwd.op)
     if fwd.record is not None:
         return "where_gradient_trap", "the forward value was non-finite in the branch that was not selected", facts
+    out_dtype = rec.output.dtype if rec.output is not None else None
+    if ctx.low_precision_finite:  # the float32 re-run decides: it also sees a rounding upstream of the op
+        if out_dtype in LOW_PRECISION:
+            return "precision_overflow", f"its gradient overflowed {str(out_dtype).removeprefix('torch.')}", facts
+        facts["rounded_upstream"] = True
+        return "precision_overflow", (f"the derivative of {short} is non-finite at inputs rounded in float16/bfloat16 "
+                                      "upstream; the whole step in float32 is finite"), facts
     d = ev.derivative(fwd.func, fwd.args or (), fwd.kwargs or {})
     if d.error:
         facts["derivative_error"] = d.error
@@ -334,9 +345,6 @@ def _backward_cause(rec: OpRecord, fwd: OpInfo | None, ctx: RuleContext) -> Verd
         name, xs, _ = singular[0]
         facts.update(singular_points=int(xs.numel()), argument=name)
         return "grad_singularity", _singular_detail(short, xs), facts
-    out_dtype = rec.output.dtype if rec.output is not None else None
-    if ctx.low_precision_finite and out_dtype in LOW_PRECISION:
-        return "precision_overflow", f"its gradient overflowed {str(out_dtype).removeprefix('torch.')}", facts
     if short in EXP_OPS:
         return "exp_overflow", "its derivative overflowed", facts
     if short in DIV_OPS:

@@ -115,8 +115,16 @@ class Derivative:
         return out
 
 
+_ALL_OUTPUTS = frozenset({"_linalg_eigh", "linalg_eigh", "linalg_eig", "_linalg_svd", "linalg_svd", "svd", "linalg_qr",
+                          "_linalg_slogdet", "linalg_slogdet", "slogdet", "linalg_lu", "lu_unpack", "linalg_lu_factor_ex"})
+"""Decompositions whose every output is a result the loss may use (eigenvectors, singular vectors): their
+derivative is taken through all of them. Their derivative can be infinite through one output alone (the
+eigenvectors at a repeated eigenvalue) while the first output's (the eigenvalues') is finite."""
+
+
 def derivative(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Derivative:
-    """d(sum of the first output)/d(each floating input), evaluated in float64."""
+    """d(sum of the first output)/d(each floating input), evaluated in float64 (of the sum of every
+    floating output for the decompositions in :data:`_ALL_OUTPUTS`)."""
     if func is None:
         return Derivative([], "the forward op was not kept")
     leaves: list[tuple[str, torch.Tensor]] = []
@@ -136,10 +144,12 @@ def derivative(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Deri
     try:
         with torch.enable_grad():
             out = func(*a, **k)
-            outs = [o for o in floating_outputs(out) if o.requires_grad][:1]
+            outs = [o for o in floating_outputs(out) if o.requires_grad]
+            name = getattr(getattr(func, "_schema", None), "name", "").split("::")[-1]
+            outs = outs if name in _ALL_OUTPUTS else outs[:1]
             if not outs or not leaves:
                 return Derivative([], "no differentiable output")
-            grads = torch.autograd.grad(outs, [leaf for _, leaf in leaves], grad_outputs=[torch.ones_like(outs[0])],
+            grads = torch.autograd.grad(outs, [leaf for _, leaf in leaves], grad_outputs=[torch.ones_like(o) for o in outs],
                                         allow_unused=True)
     except Exception as exc:
         return Derivative([], f"{type(exc).__name__}: {exc}")

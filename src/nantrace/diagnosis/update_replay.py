@@ -18,10 +18,13 @@ Usage::
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
+import sys
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,18 +36,34 @@ from ..dynamics.optimizer_state import eps_problem
 from ..incident import Incident
 from ..localisation.tracer import op_name, tensor_stats, user_source, written_tensors
 from ..response.policies import action_for
+from ..taxonomy import Action
 from .triage import Finding
 
 if TYPE_CHECKING:
     from ..watched import Watched
     from ..response.update_check import UpdateFailure
 
-__all__ = ["UpdateReplay", "optimizer_incident", "replay_update"]
+__all__ = ["UpdateReplay", "optimizer_incident", "replay_update", "step_exception_incident"]
 
 _DIVISIONS = {"div": 1, "true_divide": 1, "addcdiv": 2, "reciprocal": 0, "rsqrt": 0}
 """Division-like ops and the position of their denominator."""
+_ROOTS = frozenset({"sqrt", "pow"})
+"""Ops whose (first) argument must not be negative (a fractional power)."""
+_LOGS = {"log": 0.0, "log2": 0.0, "log10": 0.0, "log1p": -1.0}
+"""Logarithms and the bound their argument must exceed."""
+_REDUCTIONS = frozenset({"norm", "linalg_vector_norm", "linalg_matrix_norm", "frobenius_norm", "sum", "nansum", "mean",
+                         "nanmean", "var", "std", "var_mean", "std_mean", "amax", "amin", "max", "min", "dot", "vdot",
+                         "prod", "logsumexp"})
+"""Ops that reduce a tensor to a statistic (a norm, a sum); ``max``/``min`` only in their reducing overloads."""
+_ELEMENTWISE_OVERLOADS = frozenset({"other", "out", "binary_out"})
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _CHAIN_LIMIT = 6
+_GRAD, _PARAM, _FOUND = "<grad>", "<param>", "<found>"
+"""Dataflow tags besides the state tensors' names: this step's gradient, the parameter, and any other
+tensor the update read that it did not make (a module's weight, activations an optimizer kept)."""
+_TAGS = frozenset({_GRAD, _PARAM, _FOUND})
+_SETTINGS_CANDIDATES = 16
+"""At most this many numeric settings of a group are tried one by one when blaming one."""
 
 
 @dataclasses.dataclass
@@ -57,12 +76,22 @@ class UpdateReplay:
     cause: str = "optimizer_state"
     detail: str = ""
     denominator_state: str | None = None
-    """The optimizer-state tensor the origin op's denominator was computed from, if any."""
+    """The optimizer-state tensor the origin op's bad operand (a denominator, the argument of a root
+    or a logarithm) was computed from, if any."""
     input_stats: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     chain: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     ops_replayed: int = 0
     float32_finite: bool | None = None
     """Low-precision state only: is the same update finite in float32?"""
+    from_settings: bool = False
+    """The bad operand traces to no gradient, parameter or state tensor: the group's settings made it
+    (a divisor ``1 - beta2**t`` with beta2 = 1, a step size ``sqrt(2 lr / T)`` with T = 0)."""
+    settings: list[str] = dataclasses.field(default_factory=list)
+    """The settings (``"betas[1] = 1.0"``) that, moved off their value alone, make the update finite."""
+    domain_of_state: bool = False
+    """A root, power or logarithm of a value computed from the optimizer's state was out of its domain."""
+    module: str | None = None
+    """The watched module the optimizer's code was working on at the origin (read from its frames)."""
 
 
 def _short(op: str) -> str:
@@ -90,60 +119,149 @@ def _zeros(x: Any) -> int:
     return 0
 
 
-class _OpWatch(TorchDispatchMode):
-    """Checks every op of the replayed update; keeps the origin and the state each value came from."""
+def _below(x: Any, bound: float, strict: bool) -> int:
+    """How many elements of ``x`` lie below ``bound`` (``strict``) or at or below it."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
+        return 0
+    return int((x < bound).sum()) if strict else int((x <= bound).sum())
 
-    def __init__(self, state: Callable[[], dict[Any, Any]]) -> None:
+
+def _numbers(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, float]]:
+    """The plain-number (not tensor) arguments of an op call, by the schema's argument names."""
+    out: list[tuple[str, float]] = []
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out.append((arg.name, float(v)))
+    return out
+
+
+class _OpWatch(TorchDispatchMode):
+    """Checks every op of the replayed update; keeps the origin, the state each value came from,
+    which values are statistics (norms, sums) of this step's update, and the decompositions that failed."""
+
+    def __init__(self, state: Callable[[], Iterable[tuple[Any, Any]]], *, params: Iterable[torch.Tensor] = (),
+                 grads: Iterable[torch.Tensor] = (), module_of: Callable[[Any], str | None] | None = None) -> None:
         super().__init__()
         self.state = state
-        """The replica's state dict for the parameter (created by the optimizer's first step)."""
+        """The replica's (state name, value) pairs (created by the optimizer's first step)."""
         self.sources: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-        """Tensor -> names of the state tensors its value was computed from."""
+        """Tensor -> names of the state tensors (and tags: gradient, parameter, found) its value was computed from."""
+        self.made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        """Tensors the replay itself made (an op's output)."""
+        self.reduced: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        """Statistics (a norm, a sum) over this step's update or gradient (their dataflow reaches the
+        gradient or the parameter), and values computed from such statistics alone."""
+        for t in params:
+            self.sources[t] = frozenset({_PARAM})
+        for t in grads:
+            self.sources[t] = frozenset({_GRAD})
+        self.read: list[tuple[float, frozenset[str]]] = []
+        """Numbers read to the host (``.item()``, ``float(t)``) and what they were computed from."""
+        self.module_of = module_of
+        self.failed: list[dict[str, Any]] = []
+        """Decompositions whose ``info`` output reported a failure (a singular, non-positive-definite matrix)."""
         self.origin: dict[str, Any] | None = None
         self.chain: list[dict[str, Any]] = []
         self.ops = 0
 
+    def _state_pairs(self) -> list[tuple[str, torch.Tensor]]:
+        return [(str(k), v) for k, v in self.state() if isinstance(v, torch.Tensor)]
+
+    def _kind(self, denominator: Any, zeros: int, sources: set[str]) -> str:
+        """What a zero divisor is: ``settings`` (no dataflow from any tensor the update found),
+        ``reduction`` (a norm or sum of this step's update), ``state`` (element-wise from the
+        optimizer's state) or ``step`` (element-wise from the gradient or parameter)."""
+        tensors = _tensors(denominator)
+        if tensors and any(self.reduced.get(t, False) for t in tensors):
+            return "reduction"
+        if not tensors and zeros:  # a plain number: made from a number read off a tensor, or from the settings
+            sources = set().union(*(s for v, s in self.read if v == 0.0))
+        if not sources:
+            return "settings"
+        return "state" if sources - _TAGS else "step"
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         self.ops += 1
-        for key, value in self.state().items():  # name state tensors, also those made by this step
-            if isinstance(value, torch.Tensor) and str(key) not in self.sources.get(value, frozenset()):
-                self.sources[value] = frozenset({str(key)}) | self.sources.get(value, frozenset())
+        state = self._state_pairs()
+        for key, value in state:  # name state tensors, also those made by this step
+            if key not in self.sources.get(value, frozenset()):
+                self.sources[value] = frozenset({key}) | self.sources.get(value, frozenset())
         inputs = _tensors((args, kwargs))
+        for t in inputs:  # a tensor the update found rather than made (a module's weight, kept activations)
+            if t not in self.sources and t not in self.made:
+                self.sources[t] = frozenset({_FOUND})
         before = [_nonfinite(t) for t in inputs] if len(self.chain) < _CHAIN_LIMIT else []
         came_from: set[str] = set()
         for t in inputs:
             came_from |= self.sources.get(t, frozenset())
-        stats = [tensor_stats(t, f"input[{i}]") for i, t in enumerate(inputs)] if self.origin is None else []
-        short = _short(op_name(func))
-        position = _DIVISIONS.get(short)
-        denominator = args[position] if position is not None and position < len(args) else None
-        # read before the op: an in-place op (rsqrt_, a foreach addcdiv_) overwrites what it divided by
-        zeros = _zeros(denominator) if denominator is not None and self.origin is None else 0
-        denominator_sources = set().union(*(self.sources.get(t, frozenset()) for t in _tensors(denominator))) \
-            if denominator is not None else set()
+        name = op_name(func)
+        short = _short(name)
+        overload = name.rsplit(".", 1)[-1]
+        reduces = short in _REDUCTIONS and not (short in ("max", "min") and overload in _ELEMENTWISE_OVERLOADS)
+        of_update = False
+        if reduces and inputs:  # a statistic (a norm, a sum) over this step's update or gradient
+            first = _tensors(args[0]) if args else inputs[:1]
+            of_update = bool(first) and all(bool(self.sources.get(t, frozenset()) & {_GRAD, _PARAM}) for t in first)
+        from_reduced = bool(inputs) and all(self.reduced.get(t, False) for t in inputs)
+        stats: list[dict[str, Any]] = []
+        zeros, negatives, kind, bad_sources = 0, 0, None, set()
+        numbers = _numbers(func, args, kwargs)
+        bad_numbers = [(k, v) for k, v in numbers if not math.isfinite(v)]
+        if self.origin is None:
+            stats = [tensor_stats(t, f"input[{i}]") for i, t in enumerate(inputs)]
+            position = _DIVISIONS.get(short)
+            # read before the op: an in-place op (rsqrt_, a foreach addcdiv_) overwrites what it divided by
+            if position is not None and position < len(args):
+                denominator = args[position]
+                zeros = _zeros(denominator)
+                bad_sources = set().union(*(self.sources.get(t, frozenset()) for t in _tensors(denominator)))
+                kind = self._kind(denominator, zeros, bad_sources) if zeros else None
+                if short == "rsqrt":
+                    negatives = _below(denominator, 0.0, strict=True)
+            elif (short in _ROOTS or short in _LOGS) and args and isinstance(args[0], torch.Tensor):
+                negatives = _below(args[0], _LOGS[short], strict=False) if short in _LOGS else \
+                    _below(args[0], 0.0, strict=True)
+                bad_sources = set(self.sources.get(args[0], frozenset()))
+                if short == "pow" and len(args) > 1 and isinstance(args[1], (int, float)) and args[1] < 0:
+                    zeros = _zeros(args[0])  # x ** -p is a division by x ** p
+                    kind = self._kind(args[0], zeros, bad_sources) if zeros else None
         written = written_tensors(func, args, kwargs)
         out = func(*args, **kwargs)
-        for t in [*_tensors(out), *written]:
+        outputs = _tensors(out)
+        for t in [*outputs, *written]:
             self.sources[t] = frozenset(came_from | self.sources.get(t, frozenset()))
+        for t in outputs:
+            self.made[t] = True
+            if of_update or from_reduced:
+                self.reduced[t] = True
+        if short == "_local_scalar_dense" and isinstance(out, (int, float)):
+            self.read.append((float(out), frozenset(came_from)))
+        if short.endswith("_ex") and isinstance(out, tuple) and outputs and not outputs[-1].is_floating_point() \
+                and bool((outputs[-1] != 0).any()):
+            self.failed.append({"op": name, "source": user_source(1), "sources": sorted(came_from - _TAGS),
+                                "index": self.ops, "finite": not any(any(_nonfinite(t)) for t in inputs),
+                                "module": self.module_of(sys._getframe(1)) if self.module_of is not None else None})
         if len(self.chain) >= _CHAIN_LIMIT:
             return out
         # what the op wrote: its outputs, and the arguments it writes in place (foreach and fused
         # optimizer kernels return nothing)
-        after = [_nonfinite(t) for t in [*_tensors(out), *written]]
+        after = [_nonfinite(t) for t in [*outputs, *written]]
         nan, inf = any(a[0] for a in after), any(a[1] for a in after)
         if not (nan or inf):
             return out
-        name = op_name(func)
         creates = not any(any(b) for b in before)
         item = {"op": name, "aten": name, "phase": "optimizer", "node": None, "module": None,
                 "source": user_source(1), "produces": "NaN" if nan else "Inf", "origin": False}
         if self.origin is None and creates:
             item["origin"] = True
             self.origin = {"op": name, "source": item["source"], "short": short, "stats": stats,
-                           "zeros": zeros, "denominator_sources": denominator_sources,
-                           "negatives": sum(s.get("negatives", 0) for s in stats[:1]),
-                           "dtype": next((t.dtype for t in _tensors(out)), None), "nan": nan, "inf": inf}
+                           "zeros": zeros, "kind": kind, "bad_sources": bad_sources, "negatives": negatives,
+                           "bad_numbers": bad_numbers, "dtype": next((t.dtype for t in outputs), None),
+                           "nan": nan, "inf": inf, "index": self.ops,
+                           "module": self.module_of(sys._getframe(1)) if self.module_of is not None else None}
         if self.origin is not None:
             self.chain.append(item)
         return out
@@ -156,14 +274,7 @@ def _failed_param(watched: "Watched", failure: "UpdateFailure") -> torch.Tensor:
     return watched.params[failure.param_index]
 
 
-def _replica(optimizer: torch.optim.Optimizer, param: torch.Tensor, dtype: torch.dtype | None = None
-             ) -> tuple[torch.optim.Optimizer, torch.nn.Parameter]:
-    """A shallow copy of ``optimizer`` stepping only a clone of ``param`` (and its cloned state), no hooks."""
-    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
-    cast = dtype or param.dtype
-    clone = torch.nn.Parameter(param.detach().clone().to(cast), requires_grad=param.requires_grad)
-    if param.grad is not None:
-        clone.grad = param.grad.detach().clone().to(cast)
+def _clone_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, dtype: torch.dtype | None) -> dict[Any, Any]:
     state: dict[Any, Any] = {}
     for key, value in optimizer.state.get(param, {}).items():
         if isinstance(value, torch.Tensor):
@@ -171,15 +282,49 @@ def _replica(optimizer: torch.optim.Optimizer, param: torch.Tensor, dtype: torch
             if value.dtype == param.dtype and dtype is not None:
                 value = value.to(dtype)
         state[key] = value
+    return state
+
+
+def _clone_param(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.nn.Parameter:
+    cast = dtype or param.dtype
+    clone = torch.nn.Parameter(param.detach().clone().to(cast), requires_grad=param.requires_grad)
+    if param.grad is not None:
+        clone.grad = param.grad.detach().clone().to(cast)
+    return clone
+
+
+def _replica(optimizer: torch.optim.Optimizer, param: torch.Tensor | None, dtype: torch.dtype | None = None,
+             override: tuple[str, int | None, float] | None = None) -> tuple[torch.optim.Optimizer, dict[int, torch.nn.Parameter]]:
+    """A shallow copy of ``optimizer`` stepping clones of its parameters (and of their state), no hooks:
+    only ``param``'s group and ``param`` itself, or (``param=None``) every group. ``override`` sets one
+    numeric setting of the copied groups (``(key, index in a tuple or None, value)``). Returns the copy
+    and ``id(original) -> clone``."""
+    groups = [g for g in optimizer.param_groups if param is None or any(p is param for p in g["params"])][:1 if param is not None else None]
+    clones: dict[int, torch.nn.Parameter] = {}
     replica = object.__new__(type(optimizer))
-    replica.__dict__.update(optimizer.__dict__)
-    replica.param_groups = [{**group, "params": [clone]}]
+    replica.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})  # not a wrapper of the real step
     replica.state = collections.defaultdict(dict)
-    if param in optimizer.state:
-        replica.state[clone] = state
+    replica.param_groups = []
+    for group in groups:
+        params = [param] if param is not None else list(group["params"])
+        copied = {**group, "params": []}
+        if override is not None and override[0] in copied:
+            key, index, value = override
+            if index is None:
+                copied[key] = value
+            else:
+                copied[key] = type(copied[key])(value if i == index else v for i, v in enumerate(copied[key]))
+        for p in params:
+            clone = clones.get(id(p))
+            if clone is None:
+                clone = clones[id(p)] = _clone_param(p, dtype)
+                if p in optimizer.state:
+                    replica.state[clone] = _clone_state(optimizer, p, dtype)
+            copied["params"].append(clone)
+        replica.param_groups.append(copied)
     replica._optimizer_step_pre_hooks = collections.OrderedDict()  # type: ignore[attr-defined]
     replica._optimizer_step_post_hooks = collections.OrderedDict()  # type: ignore[attr-defined]
-    return replica, clone
+    return replica, clones
 
 
 def _raw_step(optimizer: torch.optim.Optimizer) -> Any:
@@ -188,11 +333,78 @@ def _raw_step(optimizer: torch.optim.Optimizer) -> Any:
     return step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
 
 
+@contextlib.contextmanager
+def _isolated(replica: torch.optim.Optimizer, clones: dict[int, torch.nn.Parameter]) -> Iterator[None]:
+    """A replay of the update leaves nothing behind: the RNG it draws from (SGLD's noise) and every
+    tensor outside the replica (its cloned parameters, gradients and state are its own) that it writes
+    in place (a module's weight that an optimizer updates through its own reference, K-FAC's
+    ``self.layers``) are put back; its warnings are not shown."""
+    from ..localisation.rerun import WriteGuard
+
+    devices = sorted({t.device.index or 0 for t in clones.values() if t.device.type == "cuda"})
+    guard = WriteGuard()
+    for clone in clones.values():
+        for t in (clone, clone.grad, *replica.state.get(clone, {}).values()):
+            if isinstance(t, torch.Tensor):
+                guard.made[t] = True
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings(), _np_errstate():
+        warnings.simplefilter("ignore")
+        try:
+            with guard:
+                yield
+        finally:
+            guard.restore()
+
+
+@contextlib.contextmanager
+def _np_errstate() -> Iterator[None]:
+    """numpy's floating-point warnings off (a setting computed in numpy that divides by zero)."""
+    try:
+        import numpy
+    except ImportError:  # numpy is optional
+        yield
+        return
+    with numpy.errstate(all="ignore"):
+        yield
+
+
+def _module_finder(watched: "Watched", clones: dict[int, torch.nn.Parameter]) -> Callable[[Any], str | None]:
+    """From a frame inside the replayed step: the watched module the optimizer's code is working on, read
+    from the user's frames out to the optimizer's ``step`` (a parameter it holds, ``p``: that parameter's
+    module; else a submodule it holds, K-FAC's ``m``)."""
+    param_module = {id(p): n.rpartition(".")[0] for n, p in watched.root.named_parameters()}
+    for original, clone in clones.items():
+        if original in param_module:
+            param_module[id(clone)] = param_module[original]
+    modules = {id(m): n for n, m in watched.root.named_modules() if n}
+
+    def find(frame: Any) -> str | None:
+        from ..localisation.tracer import _is_library
+
+        found_module = None
+        while frame is not None:
+            if not _is_library(frame.f_code.co_filename):
+                values = list(frame.f_locals.values())
+                for v in values:
+                    if isinstance(v, torch.Tensor) and id(v) in param_module:
+                        return param_module[id(v)]
+                if found_module is None:
+                    found_module = next((modules[id(v)] for v in values if id(v) in modules), None)
+                if isinstance(frame.f_locals.get("self"), torch.optim.Optimizer):
+                    break  # the optimizer's own method: the loop that called it is not its work
+            frame = frame.f_back
+        return found_module
+
+    return find
+
+
 def replay_update(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> UpdateReplay:
     """Replay ``param``'s update (from its current, pre-update values) under op-level checks."""
-    replica, clone = _replica(optimizer, param)
-    watch = _OpWatch(lambda: replica.state.get(clone, {}))
-    with watch:
+    replica, clones = _replica(optimizer, param)
+    clone = clones[id(param)]
+    watch = _OpWatch(lambda: replica.state.get(clone, {}).items(), params=[clone],
+                     grads=[clone.grad] if clone.grad is not None else [])
+    with _isolated(replica, clones), watch:
         _raw_step(optimizer)(replica)
     origin = watch.origin
     after = [clone] + [v for v in replica.state.get(clone, {}).values() if isinstance(v, torch.Tensor)]
@@ -202,30 +414,176 @@ def replay_update(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Upda
         result.float32_finite = _finite_in_float32(optimizer, param)
     if origin is None:
         return result
-    result.op, result.source, result.input_stats, result.chain = origin["op"], origin["source"], origin["stats"], watch.chain
-    states = sorted(origin["denominator_sources"])
+    _conclude(result, origin, watch.chain)
+    if result.from_settings:
+        result.settings = _blame_settings(optimizer, param)
+    return result
+
+
+def step_exception_incident(watched: "Watched", exc: BaseException, history: Sequence[dict[str, Any]]) -> Incident | None:
+    """``optimizer.step()`` raised ``exc``: the whole step is replayed on copies (every group, its
+    parameters, gradients and state cloned; anything else it writes put back) under the op checks.
+    An incident (kind ``exception``, phase ``optimizer``, action ``raised``) when a value caused it:
+    a decomposition whose ``info`` output reported a failure (a singular or non-positive-definite
+    matrix: ``domain_error``), or a non-finite value the step made before it raised (its origin and
+    cause, as for an update that went non-finite). ``None`` when the replay does not raise, or raises
+    with neither (a shape, a type, a missing key: not a value's doing)."""
+    optimizer = watched.optimizer
+    assert optimizer is not None
+    start = time.perf_counter()
+    replica, clones = _replica(optimizer, None)
+    originals = [p for g in optimizer.param_groups for p in g["params"]]
+    every = [*clones.values(), *originals]
+    watch = _OpWatch(lambda: [(k, v) for c in clones.values() for k, v in replica.state.get(c, {}).items()],
+                     params=every, grads=[p.grad for p in every if p.grad is not None],
+                     module_of=_module_finder(watched, clones))
+    raised: BaseException | None = None
+    try:
+        with _isolated(replica, clones), watch:
+            _raw_step(optimizer)(replica)
+    except Exception as err:  # the step raising again is what the replay is for
+        raised = err
+    origin = watch.origin
+    failed = next((f for f in watch.failed if f["finite"]), None)
+    if failed is not None and origin is not None and origin["index"] < failed["index"]:
+        failed = None  # a non-finite value came first: the decomposition only met it
+    if raised is None or (failed is None and origin is None):
+        return None
+    result = UpdateReplay(reproduced=True, ops_replayed=watch.ops)
+    if failed is not None:
+        result.op, result.source, result.module, result.cause = failed["op"], failed["source"], failed["module"], "domain_error"
+        result.denominator_state = failed["sources"][0] if failed["sources"] else None
+        result.settings = _blame_settings(optimizer, None)
+    else:
+        _conclude(result, origin, watch.chain)  # type: ignore[arg-type]
+        if result.from_settings:
+            result.settings = _blame_settings(optimizer, None)
+    opt = type(optimizer).__name__
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    where = f" at {result.source}" if result.source else ""
+    on = f" (module '{result.module}')" if result.module else ""
+    via = f", computed from the optimizer's state {result.denominator_state}" if result.denominator_state else ""
+    if failed is not None:
+        how = (f"{result.op}{where}{on} reported a failed decomposition (its info output is non-zero: a singular or "
+               f"non-positive-definite matrix{via})")
+    else:
+        how = f"{result.op}{where}{on} made a non-finite value first ({result.detail or 'from finite inputs'}{via})"
+    blamed = f"; moved off its value alone, {' or '.join(result.settings)} lets the step finish" if result.settings else ""
+    summary = (f"optimizer.step() ({opt}) raised {type(exc).__name__} at step {watched.step}: {how}{blamed}. "
+               "What the step had written was undone; the exception propagates unchanged.")
+    if result.settings:
+        fix = (f"The optimizer's {' and '.join(result.settings)} leaves the matrix it decomposes without "
+               "regularisation: give it a positive value (damping, epsilon) at the matrix's scale, e.g. 1e-3 times "
+               "its mean diagonal." if failed is not None else _settings_fix(result.settings))
+    elif failed is not None:
+        fix = ("Regularise the matrix before the decomposition (add damping: A + lambda*I, lambda around 1e-3 times its "
+               "mean diagonal, as K-FAC and Shampoo do), or use a routine that tolerates a singular matrix "
+               "(torch.linalg.pinv, lstsq, an eigendecomposition with its eigenvalues clamped): a batch with a dead "
+               "(constant-zero) feature or gradient direction makes such statistics singular.")
+    else:
+        fix = ("Guard the operation that made the first non-finite value in the optimizer's step (an eps on its "
+               "divisor, a clamp of its argument); the step raised where that value reached a check.")
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    details: dict[str, Any] = {
+        "exception": f"{type(exc).__name__}: {first}",
+        "optimizer": opt,
+        "hyperparameters": _hyper(group),
+        "ops_replayed": watch.ops,
+        "localisation_seconds": round(time.perf_counter() - start, 4),
+    }
+    if result.settings:
+        details["settings"] = result.settings
+    from ..reporting import new_incident
+
+    incident = new_incident(watched, kind="exception", phase="optimizer", module=result.module, cause=result.cause,
+                            summary=summary, fix=fix, action=Action.RAISED, details=details, history=history)
+    incident.op, incident.source, incident.transient = result.op, result.source, False
+    incident.chain, incident.input_stats = result.chain, result.input_stats
+    for item in incident.chain:
+        item["module"] = result.module
+    return incident
+
+
+def _conclude(result: UpdateReplay, origin: dict[str, Any], chain: list[dict[str, Any]]) -> None:
+    result.op, result.source, result.input_stats, result.chain = origin["op"], origin["source"], origin["stats"], chain
+    states = sorted(origin["bad_sources"] - _TAGS)
     result.denominator_state = states[0] if states else None
     result.cause, result.detail = _cause(origin, result.float32_finite)
-    return result
+    result.from_settings = bool(origin["bad_numbers"]) or origin["kind"] == "settings"
+    result.domain_of_state = result.cause == "optimizer_state" and origin["kind"] is None and bool(origin["negatives"])
+    result.module = origin.get("module")
 
 
 def _finite_in_float32(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool | None:
     try:
-        replica, clone = _replica(optimizer, param, torch.float32)
-        _raw_step(optimizer)(replica)
+        replica, clones = _replica(optimizer, param, torch.float32)
+        with _isolated(replica, clones):
+            _raw_step(optimizer)(replica)
     except Exception:  # the optimizer may insist on its own dtype: no verdict
         return None
+    clone = clones[id(param)]
     tensors = [clone] + [v for v in replica.state.get(clone, {}).values() if isinstance(v, torch.Tensor)]
     return not any(any(_nonfinite(t)) for t in tensors)
 
 
+def _settings(group: dict[str, Any]) -> list[tuple[str, int | None, float]]:
+    """The group's floating-point settings, one by one (``betas`` as ``betas[0]``, ``betas[1]``)."""
+    out: list[tuple[str, int | None, float]] = []
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, float):
+            out.append((key, None, value))
+        elif isinstance(value, tuple) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            out.extend((key, i, float(v)) for i, v in enumerate(value) if isinstance(v, float))
+    return out[:_SETTINGS_CANDIDATES]
+
+
+def _blame_settings(optimizer: torch.optim.Optimizer, param: torch.Tensor | None) -> list[str]:
+    """The settings that alone make the update healthy when moved slightly off their value (0 to 1e-3,
+    any other value by a relative 1e-3 towards 0): the replay of ``param``'s update (``None``: the whole
+    step) is finite and does not raise. A counterfactual, not a guess from the names."""
+    group = next((g for g in optimizer.param_groups if param is None or any(p is param for p in g["params"])), None)
+    if group is None:
+        return []
+    blamed = []
+    for key, index, value in _settings(group):
+        if not math.isfinite(value):
+            continue
+        moved = 1e-3 if value == 0 else value * (1 - 1e-3)
+        try:
+            replica, clones = _replica(optimizer, param, override=(key, index, moved))
+            with _isolated(replica, clones):
+                _raw_step(optimizer)(replica)
+        except Exception:
+            continue
+        tensors = [t for c in clones.values() for t in (c, *replica.state.get(c, {}).values()) if isinstance(t, torch.Tensor)]
+        if not any(any(_nonfinite(t)) for t in tensors):
+            blamed.append(f"{key}{f'[{index}]' if index is not None else ''} = {value:g}")
+    return blamed
+
+
 def _cause(origin: dict[str, Any], float32_finite: bool | None) -> tuple[str, str]:
     short = origin["short"]
-    if short in _DIVISIONS and origin["zeros"]:
+    if origin["bad_numbers"]:  # alpha=inf: a plain number of the update, made from the settings
+        named = ", ".join(f"{k} = {v:g}" for k, v in origin["bad_numbers"])
+        return "optimizer_state", f"its plain-number argument {named} is not finite"
+    if origin["zeros"]:
         n = origin["zeros"]
-        return "div_by_zero", f"{n} zero{'s' if n != 1 else ''} in the denominator"
-    if short in ("sqrt", "pow") and origin["negatives"]:
-        return "sqrt_negative", f"{origin['negatives']} negative inputs"
+        zeros = f"{n} zero{'s' if n != 1 else ''} in the denominator"
+        kind = origin["kind"]
+        if kind == "settings":
+            return "optimizer_state", f"{zeros}, computed from the optimizer's settings alone (no gradient, parameter or state)"
+        if kind == "state":
+            return "optimizer_state", f"{zeros}, an element-wise function of the optimizer's state"
+        if kind == "reduction":
+            return "div_by_zero", f"{zeros}, a norm or sum of this step's update"
+        return "div_by_zero", zeros
+    if origin["negatives"]:
+        text = f"{origin['negatives']} {'non-positive' if short in _LOGS else 'negative'} inputs"
+        if origin["bad_sources"] - _TAGS:  # a root of a statistic the optimizer keeps, left negative by rounding
+            return "optimizer_state", f"{text} in a value of the optimizer's state"
+        return ("log_nonpositive" if short in _LOGS else "sqrt_negative"), text
     if origin["inf"] and not origin["nan"]:
         dtype = origin["dtype"]
         if dtype in _LOW_PRECISION and float32_finite:
@@ -268,14 +626,26 @@ def _texts(watched: "Watched", failure: "UpdateFailure", replay: UpdateReplay, s
     why = f"; {eps_note}" if eps_note and cause in ("div_by_zero", "optimizer_state") else ""
     spread = sorted({s["state"] for s in failure.nonfinite_state if s["param"] == failure.param_name} - {replay.denominator_state})
     also = f"; {', '.join(spread)} turned non-finite too" if spread and failure.nonfinite_params else ""
-    summary = f"{what}{how}{why}{also}. The update was undone before it could land."
+    blamed = f"; moved off its value alone, {' or '.join(replay.settings)} makes the update finite" \
+        if replay.settings and not bad_hyper else ""
+    summary = f"{what}{how}{blamed}{why}{also}. The update was undone before it could land."
     if bad_hyper:
         names = " and ".join(bad_hyper)
         fix = (f"The optimizer's {names} is not finite: check what sets it (a learning-rate scheduler's formula "
                "dividing by zero, e.g. total_steps == warmup_steps in a cosine schedule, or a value read from a "
                "config or a diverged schedule) and keep it finite.")
         return summary, fix
-    if eps is not None and cause in ("div_by_zero", "optimizer_state", "precision_overflow"):
+    if replay.from_settings:
+        return summary, _settings_fix(replay.settings)
+    if replay.domain_of_state:
+        fix = (f"The update takes a root or logarithm of a value computed from its state "
+               f"{replay.denominator_state or ''} that rounding left out of the domain (the zero eigenvalues of a "
+               "statistics matrix of low rank come out slightly negative): use an epsilon (damping) that dominates "
+               "the rounding at the statistic's scale (e.g. 1e-6 times its largest eigenvalue, not a tiny absolute "
+               "value), or clamp the values to a small positive floor before the root.")
+        return summary, fix
+    if eps is not None and cause in ("div_by_zero", "optimizer_state", "precision_overflow") and (
+            eps_note or dtype in _LOW_PRECISION or cause == "precision_overflow"):
         if dtype in _LOW_PRECISION:
             name = str(dtype).removeprefix("torch.")
             fix = (f"Give the optimizer an eps that {name} state can hold (at least {torch.finfo(dtype).tiny:.2g}, "
@@ -298,6 +668,16 @@ def _texts(watched: "Watched", failure: "UpdateFailure", replay: UpdateReplay, s
         fix = ("Check the optimizer's update rule and hyper-parameters (lr, eps, betas, momentum) for this "
                "parameter; the incident's details hold the state tensors that went non-finite.")
     return summary, fix
+
+
+def _settings_fix(settings: list[str]) -> str:
+    if settings:
+        return (f"The optimizer's setting {' and '.join(settings)} makes its update non-finite (moved slightly off "
+                "that value, the same update is finite): check where the value comes from (a sweep grid's end point "
+                "such as beta2 = 1, an annealing schedule that reaches 0, a config) and keep it off that value.")
+    return ("A value the optimizer's update computes from its settings alone (no gradient, parameter or state "
+            "tensor) is 0 or not finite: check the hyper-parameters for a singular value (beta2 = 1 in a bias "
+            "correction 1 - beta2**t, a temperature or damping of 0).")
 
 
 def optimizer_incident(watched: "Watched", failure: "UpdateFailure", history: Sequence[dict[str, Any]]) -> Incident:
@@ -323,10 +703,8 @@ def optimizer_incident(watched: "Watched", failure: "UpdateFailure", history: Se
                      if isinstance(e, (int, float)) and (note := eps_problem(float(e), param.dtype))), None)
     if any(isinstance(v, float) and not math.isfinite(v) for v in _hyper(group).values()):
         cause = "optimizer_state"  # a NaN/inf learning rate or weight decay: the op only met it
-    elif cause == "div_by_zero" and replay.denominator_state is not None and (eps_note or "eps" not in group):
-        # a denominator from the optimizer's state, with an eps its dtype cannot hold or none at all
-        # (a hand-written RMSProp whose accumulator decayed to exactly 0): the state's fault
-        cause = "optimizer_state"
+    # (a zero denominator or a root's negative argument is the state's or the settings' fault by what it is
+    # computed from: _OpWatch's dataflow, _cause)
     summary, fix = _texts(watched, failure, replay, state, group, cause, eps_note)
     module = failure.param_name.rpartition(".")[0]
     for item in replay.chain:

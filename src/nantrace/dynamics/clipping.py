@@ -81,14 +81,18 @@ def clipping_wrapper(original: Callable[..., Any], patch: Any, kind: str) -> Cal
                 return original(*args, **kwargs)
             args, params = _materialise(args, kwargs)
             tapes = recording_gradient_tapes()
-            if tapes:  # one call on the gradient tape, not the clip's own ops
-                with untaped():
+            try:
+                if tapes:  # one call on the gradient tape, not the clip's own ops
+                    with untaped():
+                        out = original(*args, **kwargs)
+                    source = user_source(2)
+                    for tape in tapes:
+                        tape.keep_call(original, args, kwargs, out, source)
+                else:
                     out = original(*args, **kwargs)
-                source = user_source(2)
-                for tape in tapes:
-                    tape.keep_call(original, args, kwargs, out, source)
-            else:
-                out = original(*args, **kwargs)
+            except Exception as exc:  # error_if_nonfinite=True on a non-finite norm: a value check that raised
+                _note_raised(exc)
+                raise
             max_norm = _arg(args, kwargs, names, "max_norm", None)
             if kind == "norm":
                 norm_type, total = _arg(args, kwargs, names, "norm_type", 2.0), out
@@ -103,6 +107,24 @@ def clipping_wrapper(original: Callable[..., Any], patch: Any, kind: str) -> Cal
             patch.leave()
 
     return clip
+
+
+def _note_raised(exc: BaseException) -> None:
+    """Hand an exception a clipping call raised (``error_if_nonfinite=True`` on a NaN gradient) to the guards
+    that note a value check's exception (``patches.VALUE_CHECK_FUNCTIONS``' listeners, ``Guard.note_exception``):
+    it is raised after ``backward()``, outside every other hook, and a loop that catches it zeroes the
+    gradients that show why. Never raises."""
+    from ..patches import VALUE_CHECK_FUNCTIONS
+
+    listeners: dict[Any, Callable[[BaseException], None]] = {}
+    for patch in VALUE_CHECK_FUNCTIONS:
+        for listener in patch.listeners():
+            listeners.setdefault(listener, listener)
+    for listener in listeners.values():
+        try:
+            listener(exc)
+        except Exception:  # noqa: BLE001 - the user's exception goes on unchanged
+            pass
 
 
 def _materialise(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], list[torch.Tensor]]:

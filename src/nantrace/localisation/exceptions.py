@@ -26,15 +26,18 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
+from ..capture import floating_tensors
 from ..diagnosis.classify import Classification, classify
 from ..diagnosis.family_rules import matrix_detail
 from ..diagnosis.patterns import explain, short_op
 from .loss_replay import replay_step
 from .modules import ModuleStack
-from .origin import Origin, chain_summary, trace_back
-from .rerun import rerun_scope, run_unit
-from .tracer import FailedOp, OpRecord, OpTracer, _is_library, format_source, tensor_stats
+from .origin import _TRIVIAL, Origin, chain_summary, trace_back
+from .rerun import output_ok, rerun_scope, run_unit
+from .tracer import (FailedOp, InputRef, OpInfo, OpRecord, OpTracer, _all_finite, _is_library, _nan_inf, format_source,
+                     tensor_stats)
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -50,7 +53,8 @@ VALUE_CHECKS = re.compile(
 NOT_VALUES = re.compile(r"out of memory|size mismatch|shapes? .*cannot|must match|expected scalar type|dtype|"
                         r"on the same device|not implemented|unexpected keyword|missing \d+ required", re.IGNORECASE)
 DEVICE_ASSERT = re.compile(r"device-side assert", re.IGNORECASE)
-CONSTRAINT = re.compile(r"Expected parameter (\w+) .* of distribution (\w+).* to satisfy the constraint ([^,]+)", re.S)
+CONSTRAINT = re.compile(
+    r"Expected parameter (\w+) .* of distribution (\w+).* to satisfy the constraint (.+?)(?:, but found|$)", re.S)
 """torch.distributions' argument validation: a value check of torch's own, written in Python."""
 INDEX_OPS = {"embedding", "nll_loss_forward", "nll_loss2d_forward", "gather", "index_select", "index", "take",
              "scatter", "scatter_add", "index_add", "one_hot", "embedding_bag", "_embedding_bag"}
@@ -62,7 +66,7 @@ def is_value_message(message: str) -> bool:
 
 
 def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, exc: BaseException | None, *,
-                       abandoned: bool = False) -> bool:
+                       abandoned: bool = False, judged: bool = False) -> bool:
     """Fill ``incident`` (kind ``exception``) from a replay of the step that raised ``exc``.
 
     Returns False when the evidence says the exception has nothing to do with a value: the
@@ -74,9 +78,21 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
     Without the exception, the replay itself must show the bad value: a non-finite value created
     in the step, or a decomposition whose ``info`` reported a singular / non-positive-definite
     matrix. Anything else (an evaluation forward with grad on, healthy values) returns False.
+
+    A step that reached ``backward()`` and raised (or was left) before ``optimizer.step()`` is judged by its
+    real loss and gradients first (:func:`_after_backward`), unless ``judged``: the step's check has already
+    run on them (an exception raised from inside ``optimizer.step()`` or ``scaler.step()``).
     """
     from .localiser import externals_of, param_modules
 
+    if not judged and _reached_backward(capture):
+        # raised between backward() and optimizer.step() (clip_grad_norm_(error_if_nonfinite=True), the user's own
+        # check of the losses): the step's real loss and gradients say whether a value caused it
+        seen = _nonfinite_after_backward(watched, capture)
+        if seen is not None:
+            return _after_backward(watched, incident, capture, exc, seen)
+        if abandoned:  # finite loss and gradients: a step left after backward() for a reason of its own
+            return False
     units: list[Any] = list(capture.calls) or list(capture.forwards)
     replayable = bool(capture.calls)
     tape = capture.tape if not replayable else None
@@ -86,9 +102,12 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
     replay_error: BaseException | None = None
     externals = externals_of(watched, units)
     model_start: OpRecord | None = None
+    checked = _checked_value(exc)
     with rerun_scope(watched):
         modules = ModuleStack(watched.root)
         tracer = OpTracer(modules, externals)
+        if checked is not None:  # the replay's tensors like the value a Python check rejected, kept to find its twin
+            tracer.made_by = _KeepingLike(tracer.made_by, checked)
         with modules, tracer:
             if replayable:
                 result = _replay_units(watched, units)
@@ -108,6 +127,7 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
                          divergence_seen=incident.details.get("divergence"))
     if tracer is not None:
         evidence.made_by, evidence.ignored_targets = tracer.made_by, tracer.ignored_targets
+        evidence.externals = tracer.externals
     if error is None:  # an abandoned step: only the replay's own evidence counts
         return _abandoned(incident, failure, records, evidence, model_start, decompositions)
     message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
@@ -123,7 +143,7 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
                 failure is None and not DEVICE_ASSERT.search(message_text) and constraint is None):
             return False
         if constraint is not None and failure is None:  # finite values outside a distribution's support
-            cls = _python_check(constraint, decompositions, replay_error, error, tracer)
+            cls = _python_check(constraint, decompositions, replay_error, error, tracer, checked)
         else:
             cls = Classification("unknown", failure.op if failure else None, failure.module if failure else None,
                                  failure.source if failure else None, failure.phase if failure else None,
@@ -149,17 +169,72 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
     return True
 
 
+def _reached_backward(capture: Any) -> bool:
+    """The step ran ``backward()`` on a loss (the one check the guard keeps, or the loss tape's end)."""
+    tape = capture.tape
+    return bool(capture.losses) or (tape is not None and bool(tape.losses or tape.loss is not None))
+
+
+def _nonfinite_after_backward(watched: "Watched", capture: Any) -> str | None:
+    """What the step's usual check would see, read now (the step raised before ``optimizer.step()``, where it
+    runs): ``nonfinite_loss`` for a non-finite loss that reached ``backward()``, ``nonfinite_grad`` for a
+    non-finite gradient of a watched parameter, else None. Gradients still multiplied by an enabled
+    GradScaler's scale are the scaler's to judge (an inf there is a skipped step, not a failure)."""
+    if any(loss.numel() and not _all_finite(loss) for loss in capture.losses):
+        return "nonfinite_loss"
+    scaler = watched.scaler
+    if watched.sharded or (scaler is not None and scaler.is_enabled() and not watched.unscaled):
+        return None
+    for p in watched.params:
+        g = p.grad
+        if g is not None and g.numel() and g.is_floating_point() and not _all_finite(g):
+            return "nonfinite_grad"
+    return None
+
+
+def _after_backward(watched: "Watched", incident: "Incident", capture: Any, exc: BaseException | None,
+                    seen: str) -> bool:
+    """A step that reached ``backward()`` and raised (or was left) before ``optimizer.step()`` with a non-finite
+    loss or gradient: localised as the step's check would have (``localiser.localise_incident``: the replay
+    of the forwards, the loss code and the backward, the gradient code), recorded as kind ``exception``."""
+    from .localiser import localise_incident
+
+    what = "loss" if seen == "nonfinite_loss" else "gradients"
+    incident.kind = seen  # what localisation branches on (a loss seen non-finite, or only the gradients)
+    incident.summary = f"The step's {what} were non-finite after backward() at step {incident.step}."
+    localise_incident(watched, incident, capture)
+    incident.kind = "exception"
+    incident.details["observed"] = seen
+    if exc is None:
+        incident.details["exception"] = None
+        incident.details["abandoned"] = ("the step ran backward() and never reached optimizer.step(): an exception "
+                                         "raised in Python code between them ended it")
+        then = " The step then stopped before optimizer.step()."
+    else:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        message = f"{type(exc).__name__}: {first}"
+        incident.details["exception"] = message
+        then = f" Then the step raised {message} before optimizer.step()."
+    incident.summary = f"{incident.summary}{then}"
+    return True
+
+
 def _python_check(constraint: re.Match[str], decompositions: list[Any], replay_error: BaseException | None,
-                  error: BaseException, tracer: OpTracer | None) -> Classification:
+                  error: BaseException, tracer: OpTracer | None,
+                  checked: torch.Tensor | None = None) -> Classification:
     """A check written in Python (torch.distributions' validation) raised on finite values: name the
     op whose output it read. A decomposition that reported failure through its ``info`` (the
     ``positive_definite`` check's ``cholesky_ex``) is that op; otherwise the op that made the checked
-    value (found in the replayed check's frame); at least the user's line of the call that raised."""
+    value (found in the replayed check's frame; when the replay did not raise, as a zero-code replay of
+    the loss tape does not, the replayed tensor equal to the value the real check rejected); at least
+    the user's line of the call that raised."""
     name, dist, rule = constraint.groups()
     detail = f"the {name} of {dist} violates {rule.strip()}"
     if decompositions:
         return _decomposition(decompositions[-1], detail=f"{detail}: ")
     made = _checked_value_maker(replay_error, tracer)
+    if made is None and tracer is not None and isinstance(tracer.made_by, _KeepingLike):
+        made = _computed_by(tracer.made_by.twin())
     if made is not None:
         return Classification("domain_error", made.op, made.module, made.source, "forward", detail, None, [])
     return Classification("domain_error", None, None, raising_source(error), "forward", detail, None, [])
@@ -179,13 +254,74 @@ def _checked_value_maker(error: BaseException | None, tracer: OpTracer | None) -
     """The forward op that made the value a Python check rejected: the ``value`` local of the
     innermost torch frame of the replay's own exception (torch.distributions names it so), looked
     up in the tracer's provenance."""
-    if error is None or tracer is None:
+    value = _checked_value(error)
+    if value is None or tracer is None:
+        return None
+    return _computed_by(tracer.made_by.get(value))
+
+
+def _checked_value(error: BaseException | None) -> torch.Tensor | None:
+    """The value a check written in Python rejected: the ``value`` local of the innermost torch frame
+    of ``error``'s traceback (torch.distributions' validation names it so), or None."""
+    if error is None or not CONSTRAINT.search(str(error)):
         return None
     for frame, _ in reversed(list(traceback.walk_tb(error.__traceback__))):
         value = frame.f_locals.get("value") if _is_library(frame.f_code.co_filename) else None
         if isinstance(value, torch.Tensor):
-            return tracer.made_by.get(value)
+            return value
     return None
+
+
+class _KeepingLike:
+    """The tracer's provenance table (``made_by``), which also keeps alive, in the order they were made,
+    the replay's tensors with the shape, dtype and device of ``like`` (the value the real step's check
+    rejected): a zero-code replay re-issues the loss code's ops but not the check written in Python, so
+    the replayed value is found by its values (:meth:`twin`), the replay being the step again."""
+
+    def __init__(self, inner: Any, like: torch.Tensor) -> None:
+        self.inner = inner
+        self.like = like.detach()
+        self.kept: list[torch.Tensor] = []
+
+    def __setitem__(self, t: torch.Tensor, info: Any) -> None:
+        self.inner[t] = info
+        like = self.like
+        if t.shape == like.shape and t.dtype == like.dtype and t.device == like.device:
+            self.kept.append(t)
+
+    def __getitem__(self, t: torch.Tensor) -> Any:
+        return self.inner[t]
+
+    def __contains__(self, t: object) -> bool:
+        return t in self.inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def get(self, t: Any, default: Any = None) -> Any:
+        return self.inner.get(t, default)
+
+    def twin(self) -> Any:
+        """The op that made the last replayed tensor equal to ``like`` (NaN matching NaN), or None."""
+        with _disable_current_modes():
+            for t in reversed(self.kept):
+                if torch.equal(torch.nan_to_num(t.detach(), 0.5, 1.5, -1.5),
+                               torch.nan_to_num(self.like, 0.5, 1.5, -1.5)):
+                    return self.inner.get(t)
+        return None
+
+
+def _computed_by(info: OpInfo | None) -> OpInfo | None:
+    """The op that computed the values ``info`` made, through views, reshapes, copies and casts
+    (``origin._TRIVIAL``): ``exp(x).squeeze(-1)`` was computed by ``exp``."""
+    for _ in range(64):
+        if info is None or short_op(info.op) not in _VIEWS:
+            return info
+        parent = _values_parent(info)
+        if parent is None:
+            return info
+        info = parent
+    return info
 
 
 def raising_source(error: BaseException | None) -> str | None:
@@ -224,15 +360,29 @@ def _abandoned(incident: "Incident", failure: FailedOp | None, records: list[OpR
 
 
 def _replay_units(watched: "Watched", units: list[Any]) -> tuple[BaseException | None, bool, list[Any]]:
-    """Replay ``guard.replayable`` calls (the loss is inside them) until one raises."""
-    finite = True
-    for unit in units:
-        try:
-            result = run_unit(watched, unit, backward=False)
-        except Exception as err:
-            return err, finite, []
-        finite = finite and result.forward_finite
-    return None, finite, []
+    """Replay ``guard.replayable`` calls (the loss is inside them) until one raises.
+
+    Whether the watched model's outputs were finite is read from the model's own forwards as they
+    return (a forward hook for the replay), not from what the unit returned: a unit is the whole
+    loss code, and when it raises (on the model's NaN, in an op that validates it) it returns nothing."""
+    finite = [True]
+
+    def outputs(module: Any, args: Any, output: Any) -> None:
+        if finite[0]:
+            with _disable_current_modes():  # nantrace's own reads: kept off the op trace
+                finite[0] = all(output_ok(t) for t in floating_tensors(output))
+
+    handle = watched.root.register_forward_hook(outputs, always_call=False)
+    try:
+        for unit in units:
+            try:
+                result = run_unit(watched, unit, backward=False)
+            except Exception as err:
+                return err, finite[0], []
+            finite[0] = finite[0] and result.forward_finite
+    finally:
+        handle.remove()
+    return None, finite[0], []
 
 
 @dataclasses.dataclass
@@ -247,6 +397,8 @@ class _Evidence:
     ignored_targets: tuple[int, int] | None = None
     history: list[dict[str, Any]] | None = None
     divergence_seen: dict[str, Any] | None = None
+    externals: dict[int, str] | None = None
+    """The tracer's names for tensors from outside the replayed ops (parameters, the batch)."""
 
     def classify(self, origin: Origin) -> Classification:
         """Classify ``origin``, a value first seen in the forward."""
@@ -265,6 +417,9 @@ def _from_evidence(failure: FailedOp | None, records: list[OpRecord], evidence: 
         else:
             origin = Origin(record=None, chain=[], external=ref)
         return evidence.classify(origin), origin
+    upstream = _nonfinite_upstream(failure, evidence.externals or {}) if failure is not None else None
+    if upstream is not None:  # an integer argument computed from NaN/Inf: a decomposition's info, a cast index
+        return evidence.classify(upstream), upstream
     if failure is not None:
         verdict = _index_out_of_range(failure) or _scalar_beyond_dtype(failure) or _outside_domain(failure)
         if verdict is not None:
@@ -275,6 +430,81 @@ def _from_evidence(failure: FailedOp | None, records: list[OpRecord], evidence: 
         origin = trace_back(last) if last.out_nan else Origin(record=last, chain=[last])
         return evidence.classify(origin), origin
     return None, None
+
+
+_VIEWS = {op.rstrip("_") for op in _TRIVIAL}
+"""``origin._TRIVIAL`` as :func:`short_op` spells them (``copy_`` -> ``copy``)."""
+
+
+_PASS_THROUGH = _VIEWS | {"round", "floor", "ceil", "trunc", "fix", "clamp", "clamp_min", "clamp_max", "clip"}
+"""Ops that carry an index's values over from their input (casts, rounding, clamping, views): an
+out-of-range index made by them is followed back to what they read."""
+
+
+def _tensor_parents(info: OpInfo | FailedOp) -> list[tuple[torch.Tensor, OpInfo | None]]:
+    """Each positional tensor argument of an op with the forward op that made it (``parents`` holds
+    them in that order)."""
+    tensors = [a for a in (info.args or ()) if isinstance(a, torch.Tensor)]
+    parents = list(info.parents) + [None] * (len(tensors) - len(info.parents))
+    return list(zip(tensors, parents))
+
+
+def _nonfinite_operand(info: OpInfo, externals: dict[int, str]) -> Origin | None:
+    """The origin of a NaN/Inf that a floating argument of ``info`` held, or None."""
+    for position, (arg, maker) in enumerate(_tensor_parents(info)):
+        if not arg.is_floating_point() or not arg.numel():
+            continue
+        nan, inf = _nan_inf(arg)
+        if not (nan or inf):
+            continue
+        if maker is not None and maker.record is not None:
+            return trace_back(maker.record)
+        external = externals.get(id(arg), "constant" if not nan else "unknown")
+        return Origin(record=None, chain=[], external=InputRef(f"arg{position}", nan, inf, None, external))
+    return None
+
+
+def _garbage_index(t: torch.Tensor) -> bool:
+    """An integer tensor holding a negative value or one beyond int32: what a cast of NaN/Inf to an
+    integer leaves (INT64_MIN on x86, a saturated extreme elsewhere), never a valid index."""
+    if not t.numel():
+        return False
+    lo, hi = torch.aminmax(t.detach().reshape(-1))
+    return int(lo) < 0 or int(hi) > 2 ** 31 - 1
+
+
+def _nonfinite_upstream(failure: FailedOp, externals: dict[int, str]) -> Origin | None:
+    """The raising op received no NaN/Inf itself, but one of its integer arguments was computed from one:
+    the ``info`` code of a decomposition whose matrix held NaN (``_linalg_check_errors`` raises on it), or
+    an index made by casting a float that held NaN/Inf (through rounding, clamping and views, to a value
+    out of range). The origin is that float's, found as for any op that received NaN; an index out of
+    range as a finite value has no such float and stays ``label_out_of_range``."""
+    for arg, maker in _tensor_parents(failure):
+        if maker is None or arg.is_floating_point() or arg.is_complex() or arg.dtype == torch.bool:
+            continue
+        decomposition = short_op(maker.op).endswith("_ex")
+        if not decomposition and not _garbage_index(arg):
+            continue
+        cur: OpInfo | None = maker
+        for _ in range(32):
+            if cur is None:
+                break
+            found = _nonfinite_operand(cur, externals)
+            if found is not None:
+                return found
+            if decomposition or short_op(cur.op) not in _PASS_THROUGH:
+                break
+            cur = _values_parent(cur)
+    return None
+
+
+def _values_parent(info: OpInfo) -> OpInfo | None:
+    """The op that made the values ``info`` carried over: the source of a ``copy_``, else its first tensor
+    argument's."""
+    pairs = _tensor_parents(info)
+    if short_op(info.op) == "copy" and len(pairs) > 1:
+        return pairs[1][1]
+    return pairs[0][1] if pairs else None
 
 
 def _stats(failure: FailedOp) -> list[dict[str, Any]]:

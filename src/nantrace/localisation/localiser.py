@@ -92,7 +92,8 @@ def _is_low_precision(watched: "Watched", unit: Any) -> bool:
 def _saw_low_precision(tracer: OpTracer | None) -> bool:
     """A value the replay traced was float16/bfloat16 (autocast entered inside the replayed call or
     the model's forward, not around it)."""
-    return tracer is not None and any(r.output is not None and r.output.dtype in LOW_PRECISION for r in tracer.records)
+    return tracer is not None and (tracer.saw_low_precision or any(
+        r.output is not None and r.output.dtype in LOW_PRECISION for r in tracer.records))
 
 
 def _unmasked_minus_inf(tracer: OpTracer, observed: list[torch.Tensor]) -> int | None:
@@ -251,6 +252,13 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
             finite32 = t32.error is None and t32.forward_finite and t32.grads_finite is not False
             incident.details["float32_rerun_finite"] = finite32
 
+    if observed_in is None and replayable and not together and capture.forwards and capture.tape is not None \
+            and capture.tape.usable:
+        # The replayable call, re-run, is finite: a loss function that keeps state between calls (a running
+        # history, a counter) computes something else the second time. The step's own taped loss code does not.
+        incident.details["replayable_call_finite"] = True
+        _localise(watched, incident, capture.without_calls(), lockstep)
+        return
     if observed_in is None:
         if loss_error is not None or (tape is not None and tape.truncated):
             _loss_code_not_replayed(incident, loss_error)
@@ -317,9 +325,12 @@ def _apply(incident: "Incident", cls: Classification, origin: Origin, *, replaya
     incident.chain = chain_summary(origin)
     if cls.evidence:
         incident.details["evidence"] = _plain(cls.evidence)
-    summary, fix = explain(cls.cause, cls.op, module=cls.module, dtype=cls.dtype, detail=cls.detail,
+    rounded = bool(cls.evidence.get("rounded_upstream"))
+    low = cls.dtype in ("float16", "bfloat16")
+    summary, fix = explain(cls.cause, cls.op, module=cls.module, dtype=cls.dtype if low or not rounded else "float16/bfloat16",
+                           detail=cls.detail,
                            max_value=f"{torch.finfo(getattr(torch, cls.dtype)).max:g}" if cls.dtype in ("float16", "bfloat16") else "",
-                           diverged="divergence" in cls.evidence, rounded=bool(cls.evidence.get("rounded_upstream")))
+                           diverged="divergence" in cls.evidence, rounded=rounded)
     if cls.cause == "nonfinite_param" and cls.detail:
         summary = f"A parameter was already non-finite before step {incident.step}: {cls.detail}."
     incident.summary = summary

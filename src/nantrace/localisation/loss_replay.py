@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -92,9 +93,11 @@ class _Decoder:
         return obj
 
 
-def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precision: bool = False) -> BaseException | None:
-    """Re-issue a tape's calls under its autocast state and RNG marks, each attributed to its
-    source line; the values go to ``decode.values``. Returns the exception a call raised.
+def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precision: bool = False,
+             start: int = 0, stop: int | None = None) -> BaseException | None:
+    """Re-issue a tape's calls ``start:stop`` (all by default; they must follow the ones already
+    re-issued) under its autocast state and RNG marks, each attributed to its source line; the
+    values go to ``decode.values``. Returns the exception a call raised.
     ``full_precision``: with autocast off and float16/bfloat16 arguments taken in float32 (the
     float32 re-run that tells a low-precision overflow from a math error)."""
     contexts: list[Any] = [autocast_held_off()] if full_precision else \
@@ -103,7 +106,8 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precisi
         for ctx in contexts:
             stack.enter_context(ctx)
         marks = dict(tape.rng_marks)
-        for index, entry in enumerate(tape.entries):
+        for index in range(start, len(tape.entries) if stop is None else stop):
+            entry = tape.entries[index]
             if index in marks:
                 marks[index].restore()
             tracer.source_override = entry.source
@@ -157,6 +161,19 @@ def trace_prelude_inputs(prelude: LossTape, inputs: list[torch.Tensor], tracer: 
     return None
 
 
+def _unit_input(decode: _Decoder, tape: LossTape | None, value: torch.Tensor) -> torch.Tensor:
+    """A replayed forward's argument: an earlier forward's or the loss code's replayed value when one
+    made it (one graph, as in the real step), else the real tensor, cut from a graph made outside the
+    replay (another guard's model, untaped code)."""
+    replayed = decode.replaced.get(id(value))
+    if replayed is not None:
+        return replayed
+    ref = tape.ref_of(value) if tape is not None else None
+    if ref is not None and ref.entry < len(decode.values):
+        return decode.values[ref.entry][ref.slot]
+    return value.detach() if value.grad_fn is not None else value
+
+
 def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tracer: OpTracer, *,
                 backward: bool = True, together: bool = False, prelude: LossTape | None = None,
                 full_precision: bool = False) -> StepResult:
@@ -169,15 +186,32 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
     loss, so that its collectives meet the other ranks'; the result reads as without it.
     """
     replaced: dict[int, torch.Tensor] = {}
-    shared: set[int] = set()
+    shared: set[int] = {id(t) for unit in units for t in floating_tensors((unit.args, unit.kwargs))}
     unit_outputs: list[list[torch.Tensor]] = []
     outputs_finite = True
+    decode = _Decoder(replaced, shared, unit_outputs, tracer.externals)
+    taped = tape is not None and bool(tape.entries)
+    done = 0  # the tape's calls re-issued so far
     with torch.enable_grad():
-        for unit in units:
-            for t in floating_tensors((unit.args, unit.kwargs)):
-                shared.add(id(t))
+        if taped and prelude is not None and prelude.usable:
             try:
-                result = run_unit(watched, unit, backward=False, full_precision=full_precision)
+                by_id, decode.prelude_values = _replay_prelude(prelude, tracer, exclude=shared)
+                replaced.update(by_id)
+            except Exception:  # noqa: BLE001  the prelude is evidence, not the step: without it, its values count as inputs
+                tracer.flush()
+        for unit in units:
+            # In the real step's order: the loss code's calls made before this forward began (a part of the
+            # model called on what the loss code made, a second micro-batch after the first one's loss).
+            at = min(getattr(unit, "tape_at", 0), len(tape.entries)) if taped else 0
+            if at > done:
+                assert tape is not None
+                error = _reissue(tape, decode, tracer, full_precision=full_precision, start=done, stop=at)
+                if error is not None:
+                    return StepResult(None, False, None, error, outputs_finite)
+                done = at
+            try:
+                result = run_unit(watched, unit, backward=False, full_precision=full_precision,
+                                  inputs=functools.partial(_unit_input, decode, tape))
             except Exception as exc:
                 return StepResult(None, False, None, exc, outputs_finite)
             outputs_finite = outputs_finite and result.forward_finite
@@ -187,18 +221,10 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
                 if real is not None:
                     replaced[id(real)] = replayed
         tracer.flush()
-        if tape is None or not tape.entries:
+        if not taped:
             return StepResult(None, outputs_finite, None, None, outputs_finite)
-        prelude_values = None
-        if prelude is not None and prelude.usable:
-            try:
-                by_id, prelude_values = _replay_prelude(prelude, tracer, exclude=shared)
-                replaced.update(by_id)
-            except Exception:  # noqa: BLE001  the prelude is evidence, not the step: without it, its values count as inputs
-                tracer.flush()
-        decode = _Decoder(replaced, shared, unit_outputs, tracer.externals)
-        decode.prelude_values = prelude_values
-        error = _reissue(tape, decode, tracer, full_precision=full_precision)
+        assert tape is not None
+        error = _reissue(tape, decode, tracer, full_precision=full_precision, start=done)
         if error is not None:
             return StepResult(None, False, None, error, outputs_finite)
         tracer.flush()

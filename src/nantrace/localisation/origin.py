@@ -10,6 +10,7 @@ masked row) is the origin.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from .tracer import InputRef, OpRecord
 
@@ -34,11 +35,75 @@ class Origin:
     """The infinity on the path came from an explicit constant (a mask), not an overflow."""
 
 
-def _earliest(refs: list[InputRef]) -> InputRef:
-    """Of several bad operands, the one made first: values from outside the traced ops
-    (parameters, inputs) before any op, then by execution order, so that when two ops each
-    broke and their results met, the first one that broke is named."""
-    return min(refs, key=lambda r: -1 if r.producer is None else r.producer.index)
+def _earliest(refs: list[InputRef], births: dict[Any, int]) -> InputRef:
+    """Of several bad operands, the one whose non-finite values were made first: values from outside
+    the traced ops (parameters, inputs) before any op, then by the execution order of the op that
+    created them (not of the op that last touched them: a matmul's view of its left operand runs
+    before that of its right one), so that when two ops each broke and their results met, the first
+    one that broke is named."""
+    return min(refs, key=lambda r: _birth(r, births))
+
+
+def _birth(ref: InputRef, births: dict[Any, int]) -> int:
+    """The index of the op that created ``ref``'s NaN (-1: from outside the traced ops): its NaN
+    followed back to the op that made it from NaN-free inputs, or to the overflow that made an
+    infinity it was made from (an infinity filled in on purpose, a mask, does not count). Memoised
+    in ``births``."""
+    if ref.producer is None:
+        return -1
+    return _first_index(ref.producer, births, _through_nan, lambda r: _overflow_births(r, births) if not r.in_nan else [])
+
+
+def _through_nan(rec: OpRecord) -> list[InputRef]:
+    return [i for i in rec.inputs if i.nan] if rec.in_nan else []
+
+
+def _overflow_births(rec: OpRecord, memo: dict[Any, int]) -> list[int]:
+    """Where the infinities reaching ``rec`` overflowed (ops that made them from finite values, not
+    constants), as indices."""
+    out = []
+    for ref in rec.inputs:
+        if ref.inf and ref.producer is not None:
+            first = _first_index(ref.producer, memo, _through_inf, None, counts=_overflowed)
+            if first < _NONE:
+                out.append(first)
+    return out
+
+
+_NONE = 1 << 62
+
+
+def _through_inf(rec: OpRecord) -> list[InputRef]:
+    return [i for i in rec.inputs if i.inf] if rec.in_inf else []
+
+
+def _overflowed(rec: OpRecord) -> bool:
+    return rec.out_inf and rec.creates_nonfinite and not rec.is_constant
+
+
+def _first_index(root: OpRecord, memo: dict[Any, int], follow: Any, extra: Any = None, counts: Any = None) -> int:
+    """min(index) over ``root`` and the records reached back through ``follow(record)``'s inputs, of the
+    records ``counts`` accepts (all by default; none found: a huge number), plus ``extra(record)``'s
+    indices; iterative, memoised in ``memo`` by (record, ``follow``)."""
+    stack = [root]
+    while stack:
+        rec = stack[-1]
+        if (id(rec), follow) in memo:
+            stack.pop()
+            continue
+        refs = follow(rec)
+        todo = [i.producer for i in refs if i.producer is not None and (id(i.producer), follow) not in memo]
+        if todo and len(stack) < 10_000:
+            stack.extend(todo)
+            continue
+        found = [rec.index if counts is None or counts(rec) else _NONE]
+        found += [(-1 if counts is None else _NONE) if i.producer is None else memo.get((id(i.producer), follow), _NONE)
+                  for i in refs]
+        if extra is not None:
+            found.extend(extra(rec))
+        memo[(id(rec), follow)] = min(found)
+        stack.pop()
+    return memo[(id(root), follow)]
 
 
 def _inf_sources(op: OpRecord) -> list[tuple[OpRecord | InputRef, list[OpRecord]]]:
@@ -91,8 +156,9 @@ def trace_back(start: OpRecord) -> Origin:
     """Apply the origin rule from ``start`` (the op where the failure was observed)."""
     path = [start]
     cur = start
+    births: dict[Any, int] = {}
     while cur.out_nan and cur.in_nan:
-        ref = _earliest([i for i in cur.inputs if i.nan])
+        ref = _earliest([i for i in cur.inputs if i.nan], births)
         if ref.producer is None:
             return Origin(record=cur, chain=path[::-1], external=ref)
         cur = ref.producer

@@ -17,16 +17,17 @@ import io
 import logging
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..capture import CallRecord, ForwardRecord, RngState, extremes_ok_on_host, floating_tensors
+from ..loss_tape import untaped
 from .tracer import replay_site, written_tensors
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def rerun_scope(watched: "Watched") -> Iterator[None]:
     was_training = watched.root.training
     writes = WriteGuard() if not watched.sharded else contextlib.nullcontext()
     try:
-        with watched.replay(), _eager(), _checkpoint_inline(), _silenced(), writes:
+        with watched.replay(), _eager(), _checkpoint_inline(), _silenced(), writes, untaped():  # never the step's code
             yield
     finally:
         if isinstance(writes, WriteGuard):
@@ -254,11 +255,15 @@ def output_ok(t: torch.Tensor) -> bool:
 
 
 def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, backward: bool = True,
-             together: bool = False) -> UnitResult:
+             together: bool = False, inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> UnitResult:
     """Replay one unit from its recorded state. Call inside :func:`rerun_scope`.
 
     ``together``: every rank replays in lockstep (FSDP2), so the backward runs whatever this
     rank finds (its all-gathers must meet the other ranks'); the result reads as without it.
+    ``inputs``: what each tensor argument is replaced with (the whole step's replay links a
+    forward to the replayed values it was called on); by default an argument made by a graph
+    (another forward's output) is detached from it: the unit's backward starts from the gradients
+    recorded at its outputs and must not run into the real step's freed graph.
     """
     unit.rng.restore()
     if unit.buffers:
@@ -266,7 +271,7 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
             for n, b in watched.root.named_buffers():
                 if n in unit.buffers and b.shape == unit.buffers[n].shape:
                     b.copy_(unit.buffers[n])
-    args, kwargs = unit.args, unit.kwargs
+    args, kwargs = tree_map_only(torch.Tensor, inputs or _cut, (unit.args, unit.kwargs))
     if full_precision:
         args, kwargs = _upcast(args), _upcast(kwargs)
     contexts: list[Any] = [autocast_held_off()] if full_precision else unit.autocast.contexts()
@@ -277,7 +282,7 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
         if isinstance(unit, CallRecord):
             result = unit.fn(*args, **kwargs)
         else:
-            result = watched.root(*args, **kwargs)
+            result = _callee(watched, unit)(*args, **kwargs)
     observed = floating_tensors(result)
     forward_finite = all(output_ok(t) for t in observed)
     if together and backward:
@@ -295,6 +300,16 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
     grads_finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
     return UnitResult(observed, True, grads_finite, output_grads_finite,
                       grads={id(p): g for p, g in zip(params, grads) if g is not None})
+
+
+def _cut(value: torch.Tensor) -> torch.Tensor:
+    return value.detach() if value.grad_fn is not None else value
+
+
+def _callee(watched: "Watched", unit: ForwardRecord) -> Any:
+    """What a recorded forward called: the watched model, or the part of it the loss code called."""
+    path = getattr(unit, "module", "")
+    return watched.root.get_submodule(path) if path else watched.root
 
 
 def _roots(unit: Unit, observed: list[torch.Tensor], full_precision: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:

@@ -214,6 +214,9 @@ class InputRef:
     ``-inf`` fill, never the origin."""
 
 
+_LOW = (torch.float16, torch.bfloat16)
+
+
 @dataclasses.dataclass(eq=False)
 class OpRecord:
     """An op whose output held NaN or Inf."""
@@ -361,6 +364,8 @@ class OpTracer(TorchDispatchMode):
         self.ignored_targets: tuple[int, int] | None = None
         """(count, ignore_index) of the last forward NLL loss whose targets were all ignored."""
         self.failed_decompositions: list[OpInfo] = []
+        self.saw_low_precision = False
+        """An op traced made a float16/bfloat16 value (autocast entered inside the replayed code)."""
         """Forward decompositions that reported failure through their ``info`` output instead of raising
         (``linalg_cholesky_ex``, ``linalg_inv_ex``, ``linalg_ldl_factor_ex``, ``linalg_lu_factor_ex``,
         ``linalg_solve_ex``): a check written in Python (torch.distributions' ``positive_definite``) reads
@@ -409,6 +414,8 @@ class OpTracer(TorchDispatchMode):
             elif short.endswith("_ex"):
                 self._note_info_code(func, out, info)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+        if not self.saw_low_precision and any(t.dtype in _LOW for t in outs):
+            self.saw_low_precision = True
         if info is not None:
             grad_mode = torch.is_grad_enabled()
             for t in outs:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -128,6 +130,14 @@ class UpdateCheck:
         self._param_in: float | None = None
         self._param_after = 0.0
         self._handle = optimizer.register_load_state_dict_post_hook(self._state_loaded) if enabled else None
+        self._groups: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        """Each param group and its numeric settings before the update (a learned learning rate that
+        ``step()`` itself writes, SGD-HD's; a step counter): undone with the parameters."""
+        self.on_raise: Callable[[torch.optim.Optimizer, Exception], bool] | None = None
+        """Called with an exception that escapes ``optimizer.step()`` (set by the guard); ``True``
+        swallows it. The step is wrapped on the instance for this (there is no hook for a step that
+        raises: torch runs the post-hooks only after a step that returned)."""
+        self._step_patch = _wrap_step(self, optimizer)
 
     # ------------------------------------------------------------------ before
     def before_update(self, *, grad_norm: float | None, param_norm: float | None) -> None:
@@ -156,6 +166,7 @@ class UpdateCheck:
             for group, _, _ in self._proven:
                 for p in group["params"]:
                     self._save(p)
+        self._groups = [(g, _numeric_settings(g)) for g in self.optimizer.param_groups] if self._saved else []
         pool, self._pool = self._pool, {}  # only this step's buffers stay (none when all is proven)
         self._copies = [self._buffer(pool, i, t) for i, t in enumerate(self._sources)]
         if self._copies:
@@ -273,8 +284,17 @@ class UpdateCheck:
         return self._model_names.get(id(saved.param), f"param[{saved.index}]")
 
     def undo(self) -> None:
-        """Put the copied parameters and optimizer state back as they were before the update."""
+        """Put the copied parameters, optimizer state and the groups' numeric settings back as they were
+        before the update."""
         it = iter(self._copies)
+        for group, settings in self._groups:
+            for key, value in settings.items():
+                if isinstance(value, torch.Tensor) and isinstance(group.get(key), torch.Tensor) \
+                        and group[key].shape == value.shape:
+                    with torch.no_grad():
+                        group[key].copy_(value)
+                else:
+                    group[key] = value
         with torch.no_grad():
             for saved in self._saved:
                 saved.param.copy_(next(it))
@@ -290,6 +310,19 @@ class UpdateCheck:
                         restored[key] = copy.deepcopy(value)
                 self.optimizer.state[saved.param] = restored
 
+    def abandon(self) -> bool:
+        """``step()`` raised before it finished: undo what it had written (when the update was copied
+        beforehand); ``True`` when it was."""
+        if not self._armed:
+            return False
+        self._armed = False
+        self.param_bound = None
+        if not self._saved:
+            return False
+        self.undo()
+        self.finite_after_update = None
+        return True
+
     # ------------------------------------------------------------------ housekeeping
     def _state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         self.bound.value = None  # loaded state is trusted only after one checked update
@@ -303,6 +336,58 @@ class UpdateCheck:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        self.on_raise = None
+        if self._step_patch is not None:
+            self._step_patch.remove()
+            self._step_patch = None
+        self._groups = []
         self._pool.clear()
         self._copies, self._saved, self._sources = [], [], []
         self._armed = False
+
+
+def _numeric_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's numbers (tuples of numbers, one-element tensors cloned): what a step may write into it."""
+    out: dict[str, Any] = {}
+    for key, value in group.items():
+        if key == "params" or isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)) or (
+                isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)):
+            out[key] = value
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            out[key] = value.detach().clone()
+    return out
+
+
+def _wrap_step(check: UpdateCheck, optimizer: torch.optim.Optimizer) -> Any:
+    """Wrap ``optimizer.step`` on the instance so that an exception escaping it reaches
+    ``check.on_raise`` (which may swallow it). The wrapper passes calls through once the check is
+    closed or gone; ``.remove()`` of the returned patch puts the original back while the wrapper is
+    still what the optimizer holds (an LR scheduler made later wraps it in turn)."""
+    from ..patches import patch_attribute
+
+    inner = optimizer.step
+    check_ref = weakref.ref(check)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return inner(*args, **kwargs)
+        except Exception as exc:
+            owner = check_ref()
+            handler = owner.on_raise if owner is not None else None
+            if handler is not None and handler(owner.optimizer, exc):  # type: ignore[union-attr]
+                return None
+            raise
+
+    step.__name__ = step.__qualname__ = "step"
+    step.__doc__ = getattr(inner, "__doc__", None)
+    # what others marked on the step they wrapped stays visible (an LR scheduler made before watch() checks
+    # its ``_wrapped_by_lr_sched``); one made after re-binds ``optimizer.step.__func__`` (patch_track_step_called)
+    step.__dict__.update(getattr(inner, "__dict__", {}))
+    step.__wrapped__ = inner  # type: ignore[attr-defined]
+    step.__func__ = lambda opt, *args, **kwargs: step(*args, **kwargs)  # type: ignore[attr-defined]
+    from .._user_traceback import HIDDEN_CODES
+
+    HIDDEN_CODES.add(step.__code__)  # the user's traceback and the host-read counter see the optimizer's own frames
+    return patch_attribute(optimizer, "step", step, purpose="the guard sees an exception escaping optimizer.step()")

@@ -90,6 +90,8 @@ def write_bundle(watched: "Watched", incident: Incident, capture: StepCapture) -
                 "output_grads": [[i, g.detach().cpu()] for i, g in f.output_grads],
                 "autocast": f.autocast.to_dict(),
                 "grad_enabled": f.grad_enabled,
+                "module": f.module,
+                "tape_at": f.tape_at,
             }
             for f in capture.forwards
         ]
@@ -211,6 +213,8 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
                 buffers=dict(f["buffers"]) or None,
                 output_grads=[(int(i), g) for i, g in f["output_grads"]],
                 grad_enabled=bool(f.get("grad_enabled", True)),
+                module=str(f.get("module", "")),
+                tape_at=int(f.get("tape_at", 0)),
             )
         )
     tape = prelude = None

@@ -200,12 +200,16 @@ def _host_memory(t: torch.Tensor) -> bool:
 
 
 def _caller() -> str:
-    """The first frame outside torch and this module: the code that asked for the value."""
+    """The first frame outside torch and this module: the code that asked for the value. A frame of
+    nantrace's pass-through wrappers (``_user_traceback.HIDDEN_CODES``: the wrapped ``optimizer.step``,
+    ``Function.apply``) does not count: what the wrapped function reads is its own."""
+    from .._user_traceback import HIDDEN_CODES
+
     frame = sys._getframe(2)
     here = __file__
     while frame is not None:
         path = frame.f_code.co_filename
-        if path != here and f"{_SEP}torch{_SEP}" not in path:
+        if path != here and f"{_SEP}torch{_SEP}" not in path and frame.f_code not in HIDDEN_CODES:
             return f"{_short(path)}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
