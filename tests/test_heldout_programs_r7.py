@@ -1268,32 +1268,6 @@ _WHY: dict[str, tuple[tuple[str, ...], str]] = {
         "one by one, and the unit of model.head receives the layers' NaN as an argument: rerun.run_unit cuts it to a "
         "plain input (_cut), trace_back ends there (external 'input') and localiser._made_before_forward looks for the "
         "op that made a bad model argument only in the prelude, never in the loss tape."),
-    "image_text_alternating_corpora_text_only_step_empty_caption": (("zero_intrusive",),
-        "nantrace: kind nonfinite_grad, op None, cause unknown ('no loss was seen through backward()'; details: nothing "
-        "to replay); right: nonfinite_loss, aten.div.Tensor in text_encoder.pool (alt_pool), div_by_zero. "
-        "step_capture.StepRecorder.reset takes the part hooks off after any step that ran the model's forward and "
-        "called no part (step 2, a paired batch); on_loss puts them back only at a backward that found nothing "
-        "captured (the first, then once per _PARTS_RETRY = 64), i.e. after that step's forward: every text-only "
-        "step of a loop alternating model(...) and model.text_encoder(...) is captured by nothing, its loss not even "
-        "recorded."),
-    "spearman_soft_rank_function_forward_temperature_annealed_to_zero": (("zero_intrusive",),
-        "nantrace: source = the line calling SoftRank.apply(...) in spearman_loss; right: the line in the Function's "
-        "forward that divided (softrank_div), as the replayable mode and a Function inside a model's forward say. "
-        "loss_replay._reissue sets tracer.source_override = entry.source for every op of a re-issued call, and "
-        "patches.FUNCTION_APPLY keeps the Function as one call: the ops its forward (user code) issues are given the "
-        "apply line instead of tracer.user_source's innermost user frame."),
-    "shift_quantised_distillation_function_alias_backward_padded_zero_row": (("zero_intrusive",),
-        "nantrace: phase backward, op None, cause unknown ('arose in the loss computation outside the model'); right: "
-        "aten.div.Tensor in PowerOfTwoQuant.backward (pow2_backward), div_by_zero. patches.FUNCTION_APPLY replaces "
-        "the classmethod in Function.__dict__, but pow2_quant = PowerOfTwoQuant.apply was bound at import, before "
-        "watch(), and calls the original apply: the loss tape kept the Function's forward ops one by one (sign, abs, "
-        "clamp_min, log2, round, exp2, mul), whose replay makes no Function node, so the custom backward never runs "
-        "and the replayed gradients are finite."),
-    "partial_labels_hook_on_model_output_normalises_zero_gradient": (("zero_intrusive",),
-        "nantrace: op None, cause unknown, 'did not reproduce on an identical re-run ... transient'; right: "
-        "aten.div.Tensor in the hook (logit_hook), zero_variance_norm. loss_tape.LossTape.__torch_function__ keeps a "
-        "register_hook call only when the hooked tensor was made by a taped call (args[0] in self._made); the logits "
-        "were made by the model's forward, so the hook is not taped and the replay's backward runs without it."),
     "multitask_hook_rescales_aux_gradient_by_loss_ratio_over_zero": (("zero_intrusive",),
         "nantrace: phase backward, op aten.mul.Tensor at the hook's line, cause inf_arithmetic (details: "
         "intentional_inf); right: phase forward, aten.div.Tensor at the ratio line, div_by_zero (as replayable "
@@ -1306,12 +1280,6 @@ _WHY: dict[str, tuple[tuple[str, ...], str]] = {
         "PLACE after using it; the loss tape keeps the tensor itself (LossTape._encode) and loss_replay._Decoder "
         "copies it when the replay runs, i.e. after the update, when class 4's count is no longer 0: the replay is "
         "finite. Replayable: the object's re-run is finite too (replayable_call_finite) and falls back on that tape."),
-    "self_paced_ohem_k_grows_to_batch_size_easy_term_zero_over_zero": (("replayable",),
-        "nantrace: op None, cause unknown, 'could not be replayed: re-running the model raised RuntimeError: "
-        "selected index k out of range'; right: aten.div.Tensor at ohem_easy, div_by_zero (the zero-intrusive mode "
-        "gets it from the tape). localiser._localise re-runs the replayable call (rerun.run_unit), which calls the "
-        "stateful object again (k = 9 > 8) and raises NotReplayable; the fallback to the step's own tape is taken "
-        "only when that re-run is finite (replayable_call_finite), not when it raises."),
     "accumulation_lagged_standardiser_constant_sensor_in_first_micro_batch": (("zero_intrusive",),
         "nantrace: phase data, op None, cause nonfinite_input ('the batch itself carries Inf'); right: aten.div.Tensor "
         "at lagged_std (the second micro-batch's loss code), module None, zero_variance_norm. The division runs after "
@@ -1334,7 +1302,8 @@ XFAIL["accumulation_lagged_standardiser_constant_sensor_in_first_micro_batch[rep
     "feature divides). diagnosis/classify.classify calls every forward origin observed only in the gradients a "
     "where-trap (masked_softmax_all excepted) without looking at what absorbed the value: no where or mask here, the "
     "model's tanh saturated the infinite input to +-1 (derivative 0, then 0 x inf in the Linear's weight gradient).")
-XFAIL["partial_labels_hook_on_model_output_normalises_zero_gradient[replayable]"] = (
+XFAIL["partial_labels_hook_on_model_output_normalises_zero_gradient[zero_intrusive]"] = XFAIL[
+    "partial_labels_hook_on_model_output_normalises_zero_gradient[replayable]"] = (
     "nantrace: module '2' (the Linear whose output is hooked), else right; expected None: the hook is the loss code's, "
     "registered by it on the model's output (docs/api.md: module None when the op ran outside the model, e.g. in the "
     "loss function). tracer.OpTracer gives a hook's op _backward_module(node), the module whose forward made the "
@@ -1548,17 +1517,9 @@ def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 STATEFUL = [n for n, (build, _) in CASES.items() if not inspect.isfunction(build().loss)]
 """Cases whose loss is an object that keeps state between calls."""
-STATE_XFAIL: dict[str, str] = {
-    "class_balanced_counts_updated_in_place_after_use_rare_class[replayable]":
-        "calls = 6 after the run, 5 in the plain run: localiser._localise re-runs the replayable call for real "
-        "(rerun.run_unit -> unit.fn(*args)); rerun.WriteGuard puts back the counts it wrote in place, but not the "
-        "Python attribute self.calls the call rebinds.",
-    "self_paced_ohem_k_grows_to_batch_size_easy_term_zero_over_zero[replayable]":
-        "k = 10 after the run, 9 in the plain run: the re-run of the replayable call increments self.k (then raises); "
-        "nothing restores a Python attribute of the wrapped object, so a longer run would go on with a k the real "
-        "steps never reached.",
-}
-"""name[mode] -> why diagnosing still changes the loss object's state (a strict xfail)."""
+STATE_XFAIL: dict[str, str] = {}
+"""name[mode] -> why diagnosing still changes the loss object's state (a strict xfail). Fixed since written: the
+re-run of a replayable call puts the Python attributes of the object it belongs to back (rerun._python_state_kept)."""
 
 
 @pytest.mark.parametrize("name,mode", case_params({n: None for n in STATEFUL}, STATE_XFAIL))

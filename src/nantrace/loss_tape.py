@@ -53,9 +53,10 @@ _READS = frozenset({
     "retain_grad", "__reduce_ex__", "__deepcopy__", "untyped_storage", "_version", "__array__",
 })
 _HOOKS = frozenset({"register_hook"})
-"""A gradient hook the loss code puts on one of its tensors (a gradient reversal, a normalisation of
-a feature's gradient): kept by the loss tape, so that a replay registers it on the replayed tensor and
-its code runs in the replay's backward, as it ran in the real one."""
+"""A gradient hook the loss code puts on one of its tensors or on a model output (a gradient reversal, a
+normalisation of a feature's gradient): kept by the loss tape, so that a replay registers it on the
+replayed tensor and its code runs in the replay's backward, as it ran in the real one. Never on a leaf
+(a parameter): a replay must not hook the user's tensors."""
 _STOPS = frozenset({"backward"})
 _PLAIN = frozenset({int, float, bool, str, complex, torch.dtype, torch.device})
 _GRAD = torch._C.TensorBase.grad
@@ -331,7 +332,7 @@ class LossTape(TorchFunctionMode):
                     self.on_exception(exc)
             raise
         if name in _HOOKS and not self.prelude and not self.gradients and len(self.entries) < self.limit \
-                and args and args[0] in self._made:
+                and args and isinstance(args[0], torch.Tensor) and (args[0] in self._made or args[0].grad_fn is not None):
             self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2),
                                       self._running_module()))
             return out

@@ -69,7 +69,7 @@ DECLARED: tuple[Declared, ...] = (
     Declared("torch.distributions.distribution.Distribution.__init__ and ._validate_sample (the class)",
              "sees the ValueError torch.distributions' validation raises from Python, so a step whose loop catches "
              "it is still diagnosed", "while a guard is open"),
-    Declared("torch.autograd.function.Function.apply (the class's classmethod)",
+    Declared("torch.autograd.function._SingleLevelFunction.apply (added to the class, which inherits it)",
              "a custom autograd.Function applied by the step's code is kept by the loss tape as one call, so a "
              "replay runs its backward", "while a guard is open"),
     Declared("optimizer.step on the watched optimizer instance",
@@ -346,14 +346,29 @@ as it leaves the check (a loop that catches it and trains on still gets the step
 # ------------------------------------------------------------------ torch.autograd.Function.apply
 class ClassMethodPatch(FunctionPatch):
     """A classmethod of a class wrapped while at least one listener needs it; ``wrap(original, patch)``
-    gets the underlying function (called with the class first)."""
+    gets the underlying function (called with the class first). When the class does not define it
+    itself (it inherits it), the wrapper is added to the class and calls the inherited one; removing
+    it deletes it again."""
 
     def _activate(self) -> None:
         owner = self._owner()
         raw = owner.__dict__.get(self._attr)
-        if not isinstance(raw, classmethod) or getattr(raw.__func__, "_nantrace_patch", None) == self.target:
+        if self._layers and self._in_place():
             return
-        layer = self._wrap(raw.__func__, self)
+        if isinstance(raw, classmethod):
+            func = raw.__func__
+        elif raw is None:
+            attr = self._attr
+
+            def func(cls: Any, *args: Any, **kwargs: Any) -> Any:
+                return getattr(super(owner, cls), attr)(*args, **kwargs)
+
+            from ._user_traceback import HIDDEN_CODES
+
+            HIDDEN_CODES.add(func.__code__)
+        else:
+            return
+        layer = self._wrap(func, self)
         layer._nantrace_patch = self.target  # type: ignore[attr-defined]
         layer._nantrace_original = raw  # type: ignore[attr-defined]
         setattr(owner, self._attr, classmethod(layer))
@@ -363,7 +378,11 @@ class ClassMethodPatch(FunctionPatch):
         owner = self._owner()
         raw = owner.__dict__.get(self._attr)
         if self._layers and isinstance(raw, classmethod) and raw.__func__ is self._layers[-1]:
-            setattr(owner, self._attr, self._layers.pop()._nantrace_original)  # type: ignore[attr-defined]
+            original = self._layers.pop()._nantrace_original  # type: ignore[attr-defined]
+            if original is None:
+                delattr(owner, self._attr)
+            else:
+                setattr(owner, self._attr, original)
 
     def _in_place(self) -> bool:
         raw = self._owner().__dict__.get(self._attr)
@@ -393,11 +412,13 @@ def _wrap_function_apply(original: Callable[..., Any], patch: FunctionPatch) -> 
     return apply
 
 
-FUNCTION_APPLY = ClassMethodPatch("torch.autograd.function.Function.apply", _wrap_function_apply)
+FUNCTION_APPLY = ClassMethodPatch("torch.autograd.function._SingleLevelFunction.apply", _wrap_function_apply)
 """A custom ``autograd.Function`` applied by the step's code (a straight-through estimator, a blackbox
 solver, a gradient reversal in the loss code) is kept by the recording tapes as one call: taped op by op,
 its forward's ops would replay without its node, so its backward, the user's code, would never run.
-Listeners: none are called; the patch is on while a guard is open."""
+Added to ``_SingleLevelFunction`` (which inherits ``apply`` from C), where ``Function.apply`` reaches it
+through ``super()`` at call time: an alias taken before the guard opened (``grad_reverse = GradReverse.apply``
+at import) goes through it too. Listeners: none are called; the patch is on while a guard is open."""
 
 
 # ------------------------------------------------------------------ attributes of one object

@@ -71,6 +71,7 @@ class StepRecorder:
         self._parts_root: "weakref.ref[nn.Module] | None" = None
         self._part_handles: list[Any] = []
         self._parts_retry = 0  # steps until a backward with nothing captured may walk its graph again
+        self._parts_seen = False  # a step has called a part from outside the model's forward
         self._on_exception: Callable[[], Callable[[BaseException], None] | None] = (
             weakref.WeakMethod(on_exception) if hasattr(on_exception, "__self__") else lambda: on_exception
         )  # the guard owns the recorder: hold its method weakly, so a dropped guard is freed at once
@@ -104,8 +105,10 @@ class StepRecorder:
 
     def reset(self) -> None:
         """Start the next step's capture."""
-        if self._part_handles and not self._parts_used and any(f.grad_enabled and not f.module
-                                                               for f in self.capture.forwards):
+        if self._parts_used:
+            self._parts_seen = True  # the script calls parts from outside (some steps or all): they stay hooked
+        elif self._part_handles and not self._parts_seen and any(f.grad_enabled and not f.module
+                                                                 for f in self.capture.forwards):
             self._unhook_parts()  # the step's code calls the model itself, not its parts
         self.capture = self._new_capture()
 
@@ -171,8 +174,9 @@ class StepRecorder:
         """Hook the parts of ``root`` that loss code may call without calling ``root``: its children,
         and the members of its ``ModuleList``/``ModuleDict`` children. Inside the model's own forward
         the hooks only count calls (about 2 µs a call); they are taken off after the first step that
-        ran the model's forward and called no part from outside it, and put back if a later step's
-        backward reaches the model with nothing of it captured (:meth:`on_loss`)."""
+        ran the model's forward and called no part from outside it (unless an earlier step did), and
+        put back if a later step's backward reaches the model with nothing of it captured
+        (:meth:`on_loss`), for good."""
         self._parts_root = weakref.ref(root)
         self._hook_parts()
 
@@ -284,7 +288,9 @@ class StepRecorder:
             if self._parts_retry <= 0:
                 self._parts_retry = _PARTS_RETRY
                 if self._reaches_model(loss):  # the model's parts are called directly: record them from now on
+                    self._parts_seen = True
                     self._hook_parts()
+                    self.record_loss(loss)  # this step's loss is still checked
         return None
 
     def _after_backward(self) -> None:

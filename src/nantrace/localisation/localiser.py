@@ -46,7 +46,15 @@ def localise_incident(watched: "Watched", incident: "Incident", capture: StepCap
     """
     start = time.perf_counter()
     try:
-        _localise(watched, incident, capture, lockstep)
+        try:
+            _localise(watched, incident, capture, lockstep)
+        except NotReplayable:
+            if not (capture.calls and capture.forwards and capture.tape is not None and capture.tape.usable
+                    and lockstep is None):
+                raise
+            # re-running the replayable call raised (its state moved on since): the step's taped loss code did not
+            incident.details["replayable_call_raised"] = True
+            _localise(watched, incident, capture.without_calls(), lockstep)
     except NotReplayable as exc:
         cause = exc.__cause__
         incident.details["not_replayable"] = f"{type(cause).__name__}: {cause}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +25,7 @@ from ..capture import floating_tensors
 from ..loss_tape import LossTape, Ref, tensors_of
 from ..storage.tape_codec import OutputRef, PreludeRef
 from .rerun import _upcast, autocast_held_off, grad_targets, run_unit
-from .tracer import OpRecord, OpTracer
+from .tracer import OpRecord, OpTracer, replay_site
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -93,6 +94,9 @@ class _Decoder:
         return obj
 
 
+_HOOK_NAME = "register_hook"
+
+
 def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precision: bool = False,
              start: int = 0, stop: int | None = None) -> BaseException | None:
     """Re-issue a tape's calls ``start:stop`` (all by default; they must follow the ones already
@@ -110,17 +114,22 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precisi
             entry = tape.entries[index]
             if index in marks:
                 marks[index].restore()
-            tracer.source_override = entry.source
             tracer.module_override = entry.module
             try:
                 args, kwargs = decode(entry.args), decode(entry.kwargs)
+                if _HOOK_NAME == getattr(entry.func, "__name__", None) and args and args[0] is entry.args[0]:
+                    decode.values.append([])  # the real tensor itself (not replayed): never hooked by a replay
+                    continue
                 if full_precision:
                     args, kwargs = _upcast(args), _upcast(kwargs)
-                out = entry.func(*args, **kwargs)
+                # the call's ops are the entry's line, unless the user's own code runs below it (a custom
+                # Function's forward kept as one call): then that code's line
+                with replay_site(sys._getframe(), entry.source):
+                    out = entry.func(*args, **kwargs)
             except Exception as exc:
                 return exc
             finally:
-                tracer.source_override = tracer.module_override = None
+                tracer.module_override = None
             decode.values.append(tensors_of(out))
     return None
 

@@ -11,11 +11,14 @@ is touched. Afterwards RNG, buffers and parameter dtypes are put back bit for bi
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import dataclasses
 import io
 import logging
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -280,7 +283,8 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
             stack.enter_context(ctx)
         stack.enter_context(replay_site(sys._getframe(), getattr(unit, "call_site", None)))
         if isinstance(unit, CallRecord):
-            result = unit.fn(*args, **kwargs)
+            with _python_state_kept(unit.fn):
+                result = unit.fn(*args, **kwargs)
         else:
             result = _callee(watched, unit)(*args, **kwargs)
     observed = floating_tensors(result)
@@ -300,6 +304,48 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
     grads_finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
     return UnitResult(observed, True, grads_finite, output_grads_finite,
                       grads={id(p): g for p, g in zip(params, grads) if g is not None})
+
+
+@contextlib.contextmanager
+def _python_state_kept(fn: Any) -> Iterator[None]:
+    """A ``replayable`` loss function re-run leaves the Python state of the object it belongs to as it
+    found it (a loss object's running history, a counter, an adaptive weight rebound or appended to):
+    its attributes are put back after, and lists, dicts and sets among them refilled in place. Tensors
+    written in place are :class:`WriteGuard`'s."""
+    owner = getattr(fn, "__self__", None)
+    if owner is None and not isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)):
+        owner = fn  # a callable object
+    state = getattr(owner, "__dict__", None) if owner is not None and not isinstance(owner, type) else None
+    if not isinstance(state, dict) or isinstance(owner, nn.Module):  # a module's state is its tensors
+        yield
+        return
+    kept = {k: (v, _contents(v)) for k, v in state.items()}
+    try:
+        yield
+    finally:
+        for key in [k for k in state if k not in kept]:
+            del state[key]
+        for key, (value, contents) in kept.items():
+            state[key] = value
+            if contents is not None:
+                _refill(value, contents)
+
+
+def _contents(value: Any) -> Any:
+    if isinstance(value, (list, dict, set, collections.deque)):
+        return copy.copy(value)
+    return None
+
+
+def _refill(value: Any, contents: Any) -> None:
+    if isinstance(value, (list, collections.deque, set, dict)):
+        value.clear()
+        if isinstance(value, dict):
+            value.update(contents)
+        elif isinstance(value, set):
+            value.update(contents)
+        else:
+            value.extend(contents)
 
 
 def _cut(value: torch.Tensor) -> torch.Tensor:

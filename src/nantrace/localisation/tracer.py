@@ -356,8 +356,6 @@ class OpTracer(TorchDispatchMode):
         self.ops_seen = 0
         self.failure: FailedOp | None = None
         """The op that raised during the replay (a failure that raises instead of producing NaN)."""
-        self.source_override: str | None = None
-        """The user's line to attribute forward ops to, when they are re-issued by nantrace (the loss tape)."""
         self.module_override: str | None = None
         """The submodule a re-issued call ran in (a watched submodule called from the loss code), used
         when no module of the replay is running."""
@@ -388,7 +386,7 @@ class OpTracer(TorchDispatchMode):
             if self.failure is None:
                 self.failure = FailedOp(op=op_name(func), func=func, phase="forward" if node is None else "backward",
                                         module=self.modules.current,
-                                        source=hand or self.source_override or user_source(3),
+                                        source=hand or user_source(3),
                                         inputs=self._input_refs(args, kwargs, pre, func), args=kept[0], kwargs=kept[1],
                                         error=exc, index=self.index + 1,
                                         parents=[self.made_by.get(a) for a in args if isinstance(a, torch.Tensor)])
@@ -405,7 +403,7 @@ class OpTracer(TorchDispatchMode):
                 module = self.modules.current if self.modules.current is not None else self.module_override
             else:
                 module = self._backward_module(node)
-            source = hand if node is not None else self.source_override or user_source(3)
+            source = hand if node is not None else user_source(3)
             info = OpInfo(op=name, module=module, source=source, index=self.index, args=kept[0], kwargs=kept[1],
                           func=func, parents=[self.made_by.get(a) for a in args if isinstance(a, torch.Tensor)])
             short = func._schema.name.split("::")[-1]
