@@ -1296,12 +1296,11 @@ _WHY: dict[str, tuple[tuple[str, ...], str]] = {
 }
 XFAIL.update({f"{name}[{mode}]": why for name, (modes, why) in _WHY.items() for mode in modes})
 XFAIL["accumulation_lagged_standardiser_constant_sensor_in_first_micro_batch[replayable]"] = (
-    "nantrace: kind nonfinite_grad, cause where_gradient_trap ('div produced non-finite values in the branch "
-    "torch.where/masking did not select'), op/line/module right; right: kind nonfinite_input (the second forward's "
-    "argument is non-finite, as the zero-intrusive mode observes), cause zero_variance_norm (a std of a constant "
-    "feature divides). diagnosis/classify.classify calls every forward origin observed only in the gradients a "
-    "where-trap (masked_softmax_all excepted) without looking at what absorbed the value: no where or mask here, the "
-    "model's tanh saturated the infinite input to +-1 (derivative 0, then 0 x inf in the Linear's weight gradient).")
+    "nantrace: kind nonfinite_input, phase data, op None (as zero-intrusive mode). It said where_gradient_trap "
+    "before classify learned what absorbed the value (a saturating tanh is no where/mask: OpRecord.absorbed_by); what "
+    "is left is the zero-intrusive case's cause: the second micro-batch's argument was made by the loss code between "
+    "the first micro-batch's backward() and the second forward, which no tape keeps (the loss tape pauses at "
+    "backward(), the gradient tape does not reach the next forward), so the input looks like the batch's.")
 XFAIL["partial_labels_hook_on_model_output_normalises_zero_gradient[zero_intrusive]"] = XFAIL[
     "partial_labels_hook_on_model_output_normalises_zero_gradient[replayable]"] = (
     "nantrace: module '2' (the Linear whose output is hooked), else right; expected None: the hook is the loss code's, "

@@ -253,3 +253,40 @@ def test_the_zero_divisor_check_needs_the_nan_to_go_when_the_zeros_move(one_thre
     root = SimpleNamespace(func=lambda a, b: torch.sqrt(a) * (b + 1))
     out = root.func(x, y)
     assert C._zero_divisor(root, (x, y), {}, out.shape, ev.bad_mask(out)) is None  # type: ignore[arg-type]
+
+
+class _Gate(nn.Module):
+    """Scores divided by a per-row scale that can be 0, then taken in by a saturating tanh or a where."""
+
+    def __init__(self, absorb: str) -> None:
+        super().__init__()
+        self.absorb = absorb
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) / scale  # <origin:gate_div>
+        if self.absorb == "tanh":
+            return torch.tanh(h)  # inf -> 1: derivative 0, then 0 x inf in the division's backward
+        return torch.where(scale > 0, h, torch.zeros_like(h))  # the unselected branch holds the inf
+
+
+@pytest.mark.parametrize("absorb, cause", [("tanh", "div_by_zero"), ("where", "where_gradient_trap")])
+def test_a_forward_value_absorbed_by_a_saturating_op_keeps_its_own_cause(absorb: str, cause: str, one_thread: None) -> None:
+    """An infinity a forward op made that never reached the loss, whose derivative (0 x inf) leaks NaN into the
+    gradients: a where or mask that dropped it is the where trap; a tanh that saturated it is not, and the op's
+    own cause stands (OpRecord.absorbed_by)."""
+    torch.manual_seed(0)
+    model = _Gate(absorb)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        for step in range(3):
+            scale = torch.ones(6, 1)
+            if step == 1:
+                scale[2] = 0.0
+            opt.zero_grad()
+            model(torch.randn(6, 4), scale).sum().backward()
+            opt.step()
+    inc = guard.incidents[0]
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause) == (
+        1, "nonfinite_grad", "forward", "aten.div.Tensor", "", cause), inc.summary
+    assert points_at(inc.source, __file__, "gate_div")

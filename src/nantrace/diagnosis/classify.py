@@ -105,12 +105,14 @@ def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | N
         # masked_fill); its derivative, 0 × non-finite, leaks it into the gradients. A softmax
         # over fully masked rows keeps its own cause wherever its NaN went (rows the loss ignores).
         cause, detail, facts = _forward_cause(rec, ctx)
-        if cause != "masked_softmax_all":
+        if cause != "masked_softmax_all" and (rec.absorbed_by is None or rec.absorbed_by.rstrip("_") in _SELECTIONS):
             cause, detail, facts = "where_gradient_trap", _unselected_detail(rec), {}
+        elif cause != "masked_softmax_all":  # a saturating op (tanh, sigmoid, clamp) took it in: the op's own cause
+            facts["absorbed_by"] = rec.absorbed_by
     else:
         cause, detail, facts = _forward_cause(rec, ctx)
     cause, detail = _with_history(cause, detail, ctx.history, facts, divergence_seen)
-    if cause == "where_gradient_trap" and backward and fwd is not None:
+    if (cause == "where_gradient_trap" or "absorbed_by" in facts) and backward and fwd is not None:
         # named by the forward op that made the non-finite value in the unselected branch
         base.update(phase="forward", module=fwd.module, source=fwd.source)
     return Classification(cause=cause, detail=detail, evidence=facts, **base)  # type: ignore[arg-type]
@@ -323,13 +325,26 @@ def _own_op_cause(rec: OpRecord, ctx: RuleContext) -> Verdict:
     return cause, detail, facts
 
 
+_SELECTIONS = frozenset({"where", "masked_fill", "masked_scatter", "masked_select", "index", "index_select", "gather",
+                         "take", "take_along_dim", "index_put", "scatter", "nan_to_num", "copy", "fill"})
+"""Ops that drop or overwrite values (their non-finite inputs' derivative, 0 × inf, is the where trap); a
+saturating op that takes an infinity to a finite value (tanh, sigmoid, a clamp) is not one."""
+
+
 def _backward_cause(rec: OpRecord, fwd: OpInfo | None, ctx: RuleContext) -> Verdict:
     facts: dict[str, Any] = {}
     if fwd is None:
         return _own_op_cause(rec, ctx)
     short = short_op(fwd.op)
     if fwd.record is not None:
-        return "where_gradient_trap", "the forward value was non-finite in the branch that was not selected", facts
+        absorber = fwd.record.absorbed_by
+        if absorber is None or absorber.rstrip("_") in _SELECTIONS:
+            return "where_gradient_trap", "the forward value was non-finite in the branch that was not selected", facts
+        # a saturating op (tanh, sigmoid, a clamp) took the forward's non-finite value to a finite one: the
+        # value was born in the forward, by the forward op's own cause
+        cause, detail, facts = _forward_cause(fwd.record, ctx)
+        facts["absorbed_by"] = absorber
+        return cause, f"{detail}; {absorber} took it to a finite value, its derivative then met it in the backward", facts
     out_dtype = rec.output.dtype if rec.output is not None else None
     if ctx.low_precision_finite:  # the float32 re-run decides: it also sees a rounding upstream of the op
         if out_dtype in LOW_PRECISION:

@@ -239,6 +239,8 @@ class OpRecord:
     user_code: bool = False
     """A backward-phase op the user's code issued (a custom Function's backward, a hook), not a
     built-in derivative: it is judged as the op itself, at its own source line."""
+    absorbed_by: str | None = None
+    """The first op with a finite result that read this op's non-finite output (its short name)."""
     absorbed: bool = False
     """An op with a finite floating output read this op's non-finite output (a ``where``, a
     ``masked_fill_``, an overwrite): there the value was masked or dropped. With no later record
@@ -464,12 +466,15 @@ class OpTracer(TorchDispatchMode):
                        pre: dict[int, tuple[bool, bool]] | None) -> None:
         """A finite result read non-finite values a record made: they were masked there (a derivative
         that computes a 0/0 and fills it with 0 itself, as the norm's does) or overwritten."""
-        if func._schema.name.split("::")[-1] in _SHAPE_ONLY:
+        short = func._schema.name.split("::")[-1]
+        if short in _SHAPE_ONLY:
             return
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 rec = self.producer.get(t)
                 if rec is not None and (pre is None or pre.get(id(t), (True, True)) != (False, False)):
+                    if not rec.absorbed:
+                        rec.absorbed_by = short
                     rec.absorbed = True
 
     def _note_ignored_targets(self, args: tuple[Any, ...]) -> None:
