@@ -1274,12 +1274,6 @@ _WHY: dict[str, tuple[tuple[str, ...], str]] = {
         "says). The taped hook (a lambda) is registered again on the replayed tensor, but its closure still holds the "
         "REAL step's ratio (inf): the tracer sees an infinity entering from outside the replay, takes it for an "
         "intentional one, and names the multiplication instead of the replayed division that made it."),
-    "class_balanced_counts_updated_in_place_after_use_rare_class": (_BOTH,
-        "nantrace: op None, cause unknown ('the loss is non-finite while the model's outputs were finite ... arose in "
-        "the loss computation'); right: aten.div.Tensor at cb_weight, div_by_zero. The loss updates self.counts IN "
-        "PLACE after using it; the loss tape keeps the tensor itself (LossTape._encode) and loss_replay._Decoder "
-        "copies it when the replay runs, i.e. after the update, when class 4's count is no longer 0: the replay is "
-        "finite. Replayable: the object's re-run is finite too (replayable_call_finite) and falls back on that tape."),
     "accumulation_lagged_standardiser_constant_sensor_in_first_micro_batch": (("zero_intrusive",),
         "nantrace: phase data, op None, cause nonfinite_input ('the batch itself carries Inf'); right: aten.div.Tensor "
         "at lagged_std (the second micro-batch's loss code), module None, zero_variance_norm. The division runs after "

@@ -151,3 +151,48 @@ def test_an_error_inside_a_custom_function_shows_no_frame_of_nantrace():
 
     files = [f.filename for f in traceback.extract_tb(without_wrappers(raised.value.__traceback__))]
     assert not [f for f in files if "/nantrace/" in f.replace("\\", "/")], files
+
+
+class _ClassBalanced:
+    """Class-balanced weights from the counts seen so far, the counts updated in place after use: at
+    the step where a class never seen before appears, its weight divides by a count of 0."""
+
+    def __init__(self, classes: int) -> None:
+        self.counts = torch.ones(classes)
+        self.counts[4] = 0.0  # a class the data has not shown yet
+
+    def __call__(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor, lam: float) -> torch.Tensor:
+        labels = target[:, :4].argmax(-1)
+        if lam == 0.0:
+            labels[0] = 4  # the new class arrives: its weight is inf, the weighted mean inf / inf
+        weight = self.counts.sum() / self.counts  # <origin:class_weight>
+        loss = F.cross_entropy(model(x), labels, weight=weight)
+        self.counts += torch.bincount(labels, minlength=len(self.counts)).float()  # after use: a replay must not see it
+        return loss
+
+
+@pytest.mark.parametrize("replayable", [False, True], ids=["zero_code", "replayable"])
+def test_a_tensor_the_loss_code_writes_after_use_is_replayed_as_it_was_used(replayable):
+    """The tape keeps a copy of a received tensor before the loss code first writes into it
+    (``LossTape.before_write``): the replay divides by the counts the real step divided by, not by the
+    counts as they are after the update."""
+    incidents = _train(_ClassBalanced(5), replayable=replayable, lam_at_bad=0.0)
+    inc = incidents[0]
+    assert (inc.step, inc.kind, inc.op, inc.module, inc.cause) == (
+        BAD_STEP, "nonfinite_loss", "aten.div.Tensor", None, "div_by_zero"), inc.summary
+    assert points_at(inc.source, __file__, "class_weight"), inc.source
+
+
+def test_only_a_tensor_read_before_its_write_is_copied():
+    """An EMA of the loss written without being read first needs no copy (what a replay reads of it is
+    what it reads); the counts read by the loss code and then updated get one."""
+    model = nn.Linear(4, 5)
+    ema, counts = torch.zeros(5), torch.ones(5)
+    with nantrace.watch(model, torch.optim.SGD(model.parameters(), lr=1e-2), config=QUIET) as guard:
+        out = model(torch.randn(6, 4))
+        loss = (out - counts.sum()).pow(2).mean()
+        ema.mul_(0.9)
+        counts.add_(1.0)
+        loss.backward()
+        kept = guard.recorder.capture.tape.before_write
+        assert list(kept) == [id(counts)] and torch.equal(kept[id(counts)][1], torch.ones(5))

@@ -52,6 +52,15 @@ _READS = frozenset({
     "stride", "storage_offset", "is_contiguous", "__hash__", "__eq__", "__ne__", "backward", "register_hook",
     "retain_grad", "__reduce_ex__", "__deepcopy__", "untyped_storage", "_version", "__array__",
 })
+_WRITES = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__ipow__",
+                     "__imod__", "__iand__", "__ior__", "__ixor__"})
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_grad", "register_hook"})
+SNAPSHOT_MAX_NUMEL = 1 << 20
+SNAPSHOT_MAX_BYTES = 64 << 20
+"""At most this much is copied so per step."""
+"""A tensor the loss code received and then writes in place (a loss object's class counts, a DINO
+centre, a running statistic updated after use) is copied once before its first write, up to this many
+elements: a replay must read it as the calls before the write did, not as it is now."""
 _HOOKS = frozenset({"register_hook"})
 """A gradient hook the loss code puts on one of its tensors or on a model output (a gradient reversal, a
 normalisation of a feature's gradient): kept by the loss tape, so that a replay registers it on the
@@ -207,6 +216,14 @@ class LossTape(TorchFunctionMode):
         self.failed: tuple[int, BaseException] | None = None
         """(index of the call that raised, the exception), when the loss code raised."""
         self._made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.before_write: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """``id`` of each tensor the loss code received, read and then wrote in place -> (the tensor, a copy
+        of it before the first write)."""
+        self._read: set[int] = set()
+        """``id`` of each tensor a kept call received from outside the tape (what a write may change under it)."""
+        self._snapshot_bytes = 0
+        self.earlier: LossTape | None = None
+        """The tape of the step's code before this one's (the loss tape's prelude): its reads count as reads."""
         self._recording = False
         self._pushed = False
         """This tape is on the torch-function mode stack (pushed by :meth:`resume`, not yet popped)."""
@@ -288,6 +305,11 @@ class LossTape(TorchFunctionMode):
         self.loss = None
         self.losses = []
         self.failed = None
+        if self.before_write:
+            self.before_write = {}
+            self._snapshot_bytes = 0
+        if self._read:
+            self._read = set()
         if self._grad_of:
             self._grad_of = {}
         if self._made:  # a fresh table only when the step taped something (most steps of a model-only loss: none)
@@ -318,6 +340,9 @@ class LossTape(TorchFunctionMode):
             self._start_over()
         if self._mark_due and name not in _READS:
             self._mark()
+        if not self.gradients and args and isinstance(args[0], torch.Tensor) \
+                and (name in _WRITES or (name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES)):
+            self._before_write_of(args[0])
         generator = kwargs.get("generator")
         if isinstance(generator, torch.Generator):  # a replay must draw what this call draws, and leave the user's alone
             self._generators[id(generator)] = _snapshot(generator)
@@ -352,6 +377,17 @@ class LossTape(TorchFunctionMode):
         if self.prelude:
             self.outputs.append([weakref.ref(t) for t in outs])
         return out
+
+    def _before_write_of(self, t: torch.Tensor) -> None:
+        """Keep ``t`` as it is before the loss code first writes into it, when the loss code received it
+        (no kept call made it) and it is no parameter; :attr:`before_write` is what a replay copies it from."""
+        read = id(t) in self._read or (self.earlier is not None and id(t) in self.earlier._read)
+        if not read or id(t) in self.before_write or t in self._made or (t.is_leaf and t.requires_grad) \
+                or t.numel() > SNAPSHOT_MAX_NUMEL or self._snapshot_bytes > SNAPSHOT_MAX_BYTES:
+            return  # only a tensor a kept call read before: a write into one nothing read yet (an EMA) needs none
+        with _Untaped():
+            self.before_write[id(t)] = (t, t.detach().clone())
+        self._snapshot_bytes += t.numel() * t.element_size()
 
     def _gradient_access(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A gradient tape's ``param.grad``: a read is remembered (the tensor names the parameter's
@@ -415,6 +451,7 @@ class LossTape(TorchFunctionMode):
             made = self._made.get(obj)
             if made is not None:
                 return made
+            self._read.add(id(obj))
             read = self._grad_of.get(id(obj)) if self._grad_of else None
             return read[1] if read is not None and read[0] is obj else obj
         if obj is None or type(obj) in _PLAIN:

@@ -80,6 +80,8 @@ class StepRecorder:
             self.tape.module_paths = {id(m): name for name, m in watched.root.named_modules() if name}
         if self.prelude is not None:
             _PRELUDES.add(self.prelude)
+            if self.tape is not None:
+                self.tape.earlier = self.prelude  # a tensor the prelude read and the loss code then writes
         _RECORDERS.add(self)
         self.capture = self._new_capture()
         """What has been captured of the step in progress."""

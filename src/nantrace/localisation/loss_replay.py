@@ -59,6 +59,8 @@ class _Decoder:
         self.shared = shared
         self.copies: dict[int, torch.Tensor] = {}
         self.leaves: list[torch.Tensor] = []
+        self.before_write: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """The loss tape's copies of tensors it received and then wrote in place (``LossTape.before_write``)."""
 
     def __call__(self, obj: Any) -> Any:
         if isinstance(obj, Ref):
@@ -77,8 +79,10 @@ class _Decoder:
                 return obj  # a model input or parameter: the same object the replayed forward read
             copy = self.copies.get(key)
             if copy is None:
+                kept = self.before_write.get(key)
+                source = kept[1] if kept is not None and kept[0] is obj else obj  # as the calls before its write read it
                 with _disable_current_modes():  # the copy is not an op of the step: keep it off the trace
-                    copy = obj.detach().clone()
+                    copy = source.detach().clone()
                 if obj.requires_grad and (copy.is_floating_point() or copy.is_complex()):
                     copy.requires_grad_(True)
                     self.leaves.append(copy)
@@ -134,12 +138,14 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precisi
     return None
 
 
-def _replay_prelude(prelude: LossTape, tracer: OpTracer, *,
-                    exclude: set[int]) -> tuple[dict[int, torch.Tensor], list[list[torch.Tensor]]]:
+def _replay_prelude(prelude: LossTape, tracer: OpTracer, *, exclude: set[int],
+                    before_write: dict[int, Any] | None = None) -> tuple[dict[int, torch.Tensor], list[list[torch.Tensor]]]:
     """Replay the prelude; map each real output still alive (by id) to its replayed value, except
     the model's own inputs (``exclude``: the replayed forward read the real ones); and the values
-    by call (a prelude restored from a bundle has no real tensors to map)."""
+    by call (a prelude restored from a bundle has no real tensors to map). ``before_write``: tensors
+    the step's code wrote into after the prelude read them, as they were before (``LossTape.before_write``)."""
     decode = _Decoder({}, set(), [], tracer.externals, copy_all=True)
+    decode.before_write = {**(before_write or {}), **getattr(prelude, "before_write", {})}
     error = _reissue(prelude, decode, tracer)
     if error is not None:
         raise error
@@ -199,12 +205,15 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
     unit_outputs: list[list[torch.Tensor]] = []
     outputs_finite = True
     decode = _Decoder(replaced, shared, unit_outputs, tracer.externals)
+    decode.before_write = {**(getattr(tape, "before_write", {}) if tape is not None else {}),
+                           **(getattr(prelude, "before_write", {}) if prelude is not None else {})}  # the earliest copy
     taped = tape is not None and bool(tape.entries)
     done = 0  # the tape's calls re-issued so far
     with torch.enable_grad():
         if taped and prelude is not None and prelude.usable:
             try:
-                by_id, decode.prelude_values = _replay_prelude(prelude, tracer, exclude=shared)
+                by_id, decode.prelude_values = _replay_prelude(prelude, tracer, exclude=shared,
+                                                               before_write=decode.before_write)
                 replaced.update(by_id)
             except Exception:  # noqa: BLE001  the prelude is evidence, not the step: without it, its values count as inputs
                 tracer.flush()
