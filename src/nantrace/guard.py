@@ -201,6 +201,8 @@ class Guard:
         self._handles.append(self.model.register_forward_hook(rec.forward_post, with_kwargs=True, always_call=True))
         if not self.sharded and not hasattr(self.model, "_orig_mod"):  # a compiled graph would trace the parts' hooks
             rec.watch_parts(self.root)
+        if self.update_check is not None:
+            self.update_check.on_raise = self._optimizer_raised
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
@@ -256,8 +258,6 @@ class Guard:
     # ------------------------------------------------------------ the optimizer's step
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         self.recorder.pause_tape()
-        if self.update_check is not None and self.update_check.on_raise is None:
-            self.update_check.on_raise = self._optimizer_raised
         if self._pending_exception is not None:  # the user caught a failure of this step and went on
             self.diagnose_exception(self._pending_exception)
         if self.closed:
