@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -202,3 +204,72 @@ def test_the_noise_scale_is_numpys_median_and_quantile_bit_for_bit(shape):
                   "random_walk": lambda: np.cumsum(rng.standard_normal(n)),
                   "spiky": lambda: rng.standard_normal(n) * np.where(rng.random(n) < 0.05, 100.0, 1.0)}[shape]()
         assert _noise_scale(series) == _reference_noise_scale(series), n
+
+
+class _ReferenceSpikes:
+    """The detector's rule computed from scratch at every value (NumPy, no running state): the
+    level is the median of the last 16 accepted values, the noise the larger of the MAD's and the
+    99th percentile's estimate of the residuals against the rolling level, re-estimated after every
+    8 accepted values; log space when every accepted value is positive."""
+
+    def __init__(self, window: int, warmup: int, sigma: float, min_ratio: float) -> None:
+        self.window, self.warmup, self.sigma, self.min_ratio = window, warmup, sigma, min_ratio
+        self.hist: list[float] = []
+        self.run: list[float] = []
+        self.noise: tuple[bool, float] | None = None
+        self.stale = 0
+
+    def _noise(self, series: np.ndarray) -> float:
+        level = np.array([np.median(series[i:i + 16]) for i in range(len(series) - 16)])
+        res = series[16:] - level
+        spread = np.abs(res - np.median(res))
+        return max(1.4826 * float(np.median(spread)), float(np.quantile(spread, 0.99)) / 2.576)
+
+    def threshold(self) -> float:
+        if len(self.hist) < self.warmup:
+            return float("inf")
+        log = min(self.hist) > 0
+        series = np.log(np.array(self.hist)) if log else np.array(self.hist)
+        center = float(np.median(series[-16:]))
+        if self.noise is None or self.noise[0] != log or self.stale >= 8:
+            self.noise, self.stale = (log, self._noise(series)), 0
+        noise = max(self.noise[1], 1e-12)
+        if log:
+            return max(math.exp(center + self.sigma * noise), self.min_ratio * math.exp(center))
+        return center + max(self.sigma * noise, (self.min_ratio - 1.0) * max(abs(center), 1e-12))
+
+    def update(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if not value > self.threshold():
+            self.hist = (self.hist + [value])[-self.window:]
+            self.run, self.stale = [], self.stale + 1
+            return False
+        self.run.append(value)
+        if len(self.run) >= max(4, self.window // 4):
+            self.hist, self.run, self.noise = list(self.run), [], None
+        return True
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_verdicts_and_thresholds_match_a_from_scratch_reference(seed):
+    """The detector keeps running figures (a count of non-positive values, the recent logarithms, the
+    threshold until the history changes); every verdict and threshold must equal the rule computed
+    from scratch, through spikes, level shifts, values crossing zero, and a state reload."""
+    rng = np.random.default_rng(seed)
+    n = 400
+    base = np.exp(rng.normal(0, 0.05, n)) * np.linspace(3.0, 1.0, n)
+    base[rng.choice(n, 12, replace=False)] *= 8.0  # spikes
+    base[250:300] *= 20.0  # a new level that persists
+    if seed % 2:
+        base[120:140] -= 2.5  # values at and below zero: the series leaves log space for a while
+    base[rng.choice(n, 3, replace=False)] = np.nan
+    det = RobustSpikeDetector(window=64, warmup=20, sigma=6.0, min_ratio=1.5)
+    ref = _ReferenceSpikes(64, 20, 6.0, 1.5)
+    for i, v in enumerate(base.tolist()):
+        if i == 330:  # a resumed run: the detector's state reloaded into a new one
+            det2 = RobustSpikeDetector(window=64, warmup=20, sigma=6.0, min_ratio=1.5)
+            det2.load_state_dict(det.state_dict())
+            det, ref.noise = det2, None
+        assert det.threshold() == pytest.approx(ref.threshold(), rel=1e-12), i
+        assert (det.update(v) is not None) == ref.update(v), i

@@ -60,6 +60,9 @@ class RobustSpikeDetector:
         self._flagged_run: list[float] = []
         self._noise: tuple[bool, float] | None = None  # (log space?, scale) of the last estimate
         self._stale = 0  # healthy values added since that estimate
+        self._nonpositive = 0  # values <= 0 in the history: the series is judged in log space when none
+        self._recent_logs: deque[float] = deque(maxlen=min(_LEVEL, window))  # log of the last _LEVEL values (NaN if <= 0)
+        self._threshold: float | None = None  # threshold() of the history as it is, until it changes
 
     def __len__(self) -> int:
         return len(self._history)
@@ -70,17 +73,35 @@ class RobustSpikeDetector:
             return None
         spike = self._judge(value)
         if spike is None:
-            self._history.append(value)
+            self._push(value)
             self._flagged_run.clear()
             self._stale += 1
             return None
         self._flagged_run.append(value)
         if len(self._flagged_run) >= max(4, self.window // 4):
-            self._history.clear()
-            self._history.extend(self._flagged_run)
+            self._restart(self._flagged_run)
             self._flagged_run.clear()
-            self._noise = None
         return spike
+
+    def _push(self, value: float) -> None:
+        """Add a value to the history, keeping the positivity count and the recent logarithms."""
+        hist = self._history
+        if len(hist) == hist.maxlen and hist[0] <= 0:
+            self._nonpositive -= 1
+        hist.append(value)
+        if value <= 0:
+            self._nonpositive += 1
+        self._recent_logs.append(math.log(value) if value > 0 else math.nan)
+        self._threshold = None
+
+    def _restart(self, values: list[float]) -> None:
+        """The history becomes ``values`` (the series moved to a new level, or a loaded state)."""
+        self._history.clear()
+        self._recent_logs.clear()
+        self._nonpositive = 0
+        for v in values:
+            self._push(v)
+        self._noise = None
 
     def threshold(self) -> float:
         """The value above which the next :meth:`update` flags a spike (``inf`` in warm-up).
@@ -91,18 +112,24 @@ class RobustSpikeDetector:
         """
         if len(self._history) < self.warmup:
             return math.inf
-        use_log = min(self._history) > 0
+        if self._threshold is not None:  # nothing was added since it was computed
+            return self._threshold
+        use_log = self._nonpositive == 0
         center, noise = self._level(use_log)
         if use_log:  # z > sigma and ratio > min_ratio, solved for the value
-            return max(math.exp(center + self.sigma * noise), self.min_ratio * math.exp(center))
-        return center + max(self.sigma * noise, (self.min_ratio - 1.0) * max(abs(center), 1e-12))
+            threshold = max(math.exp(center + self.sigma * noise), self.min_ratio * math.exp(center))
+        else:
+            threshold = center + max(self.sigma * noise, (self.min_ratio - 1.0) * max(abs(center), 1e-12))
+        self._threshold = threshold
+        return threshold
 
     def _level(self, use_log: bool) -> tuple[float, float]:
         """(current level, noise scale) of the history, in log space when ``use_log``."""
         hist = self._history
-        recent = list(itertools.islice(hist, len(hist) - _LEVEL, None))
         if use_log:
-            recent = [math.log(v) for v in recent]
+            recent = list(self._recent_logs)
+        else:
+            recent = list(itertools.islice(hist, len(hist) - _LEVEL, None))
         # Centre on the recent level; the noise is measured from each value's residual
         # against the level before it, so the run's own trend (a loss still falling fast)
         # does not inflate the scale.
@@ -116,7 +143,7 @@ class RobustSpikeDetector:
     def _judge(self, value: float) -> Spike | None:
         if not value > self.threshold():
             return None
-        use_log = min(self._history) > 0  # a value above a positive threshold is positive
+        use_log = self._nonpositive == 0  # a value above a positive threshold is positive
         center, noise = self._level(use_log)
         x = math.log(value) if use_log else value
         z = (x - center) / noise
@@ -132,9 +159,9 @@ class RobustSpikeDetector:
         return {"history": list(self._history), "flagged_run": list(self._flagged_run)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._history = deque(state["history"], maxlen=self.window)
+        self._history = deque(maxlen=self.window)
+        self._restart(list(state["history"])[-self.window:])
         self._flagged_run = list(state["flagged_run"])
-        self._noise = None
 
 
 def _noise_scale(series: np.ndarray) -> float:
