@@ -1027,14 +1027,6 @@ class Rows(torch.utils.data.Dataset):
 FW: dict[str, tuple[Callable[..., Outcome], FWant]] = {}
 FW_DIVERGING: set[str] = set()
 FW_XFAIL: dict[str, str] = {
-    "pl_detect_anomaly_true_duplicate_pair_sqrt_backward_raises":
-        "nantrace: no incident (the RuntimeError 'Function PowBackward0 returned nan values' propagates, "
-        "undiagnosed; the same in a plain loop under torch.autograd.detect_anomaly); right: kind exception, phase "
-        "backward, aten.sqrt.default in module dist, grad_singularity, action raised. "
-        "localisation/exceptions.py diagnose_exception: the step reached backward(), but _nonfinite_after_backward "
-        "sees a finite loss and no non-finite gradient (the engine raised before accumulating any), and the replay "
-        "that follows re-runs the forward only (replay_step(..., backward=False) / _replay_units), which is finite "
-        "(sqrt(0) = 0): no failure, no value evidence, so it returns False and the guard records nothing.",
 }
 """name -> why nantrace is still wrong on it (a strict xfail)."""
 

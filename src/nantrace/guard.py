@@ -472,7 +472,11 @@ class Guard:
         if not self.closed and not self.state.replaying and isinstance(exc, Exception) and self._pending_exception is None:
             self._pending_exception = exc
             gradient_tape = self.recorder.gradient_tape
-            if gradient_tape is not None and gradient_tape.recording and self._decision is None:
+            if getattr(exc, "_nantrace_backward", False) and self._decision is None:
+                # raised by backward() (anomaly mode's check): the engine has stopped, no forward runs, and a
+                # loop that catches it zeroes the gradients before any later safe point
+                self.diagnose_exception(exc)
+            elif gradient_tape is not None and gradient_tape.recording and self._decision is None:
                 # raised between backward() and optimizer.step() (clip_grad_norm_'s error_if_nonfinite), outside any
                 # forward: safe to replay now, while the gradients are still the step's (a loop that catches it
                 # zeroes them before any later safe point)

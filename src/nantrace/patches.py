@@ -228,7 +228,14 @@ def _wrap_backward(original: Callable[..., Any], patch: FunctionPatch) -> Callab
                         after.append(then)
             elif not listeners:
                 patch.tidy()
-            result = original(tensors, *args, **kwargs)
+            try:
+                result = original(tensors, *args, **kwargs)
+            except Exception as exc:
+                for then in after:  # autograd's engine raised (anomaly mode's NaN check, a hook's own check)
+                    failed = getattr(then, "failed", None)
+                    if failed is not None:
+                        failed(exc)
+                raise
             for then in after:
                 then()
             return result
@@ -243,7 +250,8 @@ def _wrap_backward(original: Callable[..., Any], patch: FunctionPatch) -> Callab
 
 BACKWARD = FunctionPatch("torch.autograd.backward", _wrap_backward)
 """Listeners: ``(loss) -> None | (() -> None)``, for each scalar floating loss ``backward()`` runs on;
-a callable returned runs when that backward has returned."""
+a callable returned runs when that backward has returned, and its ``failed(exc)`` method, where it has
+one, when the backward raised ``exc``."""
 
 
 # ------------------------------------------------------------------ sys.excepthook

@@ -18,6 +18,7 @@ Usage (inside the guard)::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import weakref
@@ -83,6 +84,7 @@ class StepRecorder:
             if self.tape is not None:
                 self.tape.earlier = self.prelude  # a tensor the prelude read and the loss code then writes
         _RECORDERS.add(self)
+        self._backward_end = _BackwardEnd(self)
         self.capture = self._new_capture()
         """What has been captured of the step in progress."""
 
@@ -278,13 +280,12 @@ class StepRecorder:
     # ------------------------------------------------------------ the loss
     def on_loss(self, loss: torch.Tensor) -> Callable[[], None] | None:
         """A scalar loss ``backward()`` runs on (``nantrace.patches.BACKWARD``); returns what to do
-        when that backward has returned (start the gradient tape)."""
+        when that backward has returned (start the gradient tape) or raised (note the exception)."""
         if self.watched.closed or self.watched.replaying:
             return None
         if self.active and (len(_RECORDERS) < 2 or self._reaches_model(loss)):
             self.record_loss(loss)
-            if self.gradient_tape is not None:
-                return self._after_backward
+            return self._backward_end
         elif not self.active and self._parts_root is not None and not self._part_handles:
             self._parts_retry -= 1
             if self._parts_retry <= 0:
@@ -294,6 +295,14 @@ class StepRecorder:
                     self._hook_parts()
                     self.record_loss(loss)  # this step's loss is still checked
         return None
+
+    def _backward_raised(self, exc: BaseException) -> None:
+        """The step's ``backward()`` raised: autograd's engine stopped it (anomaly mode's check of a
+        node's outputs, a gradient hook's check). Marked as raised by the backward, so that its
+        diagnosis localises the backward, and noted now: outside any forward, safe to replay."""
+        with contextlib.suppress(AttributeError, TypeError):
+            exc._nantrace_backward = True  # type: ignore[attr-defined]
+        self._exception(exc)
 
     def _after_backward(self) -> None:
         """``backward()`` has returned: tape the step's code from here to ``optimizer.step()``
@@ -377,6 +386,26 @@ def _in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (it recomputes checkpointed
     modules from there)."""
     return _graph_task is not None and _graph_task() != -1
+
+
+class _BackwardEnd:
+    """What :meth:`StepRecorder.on_loss` hands the backward patch: called when the backward has
+    returned, ``failed(exc)`` when it raised (held weakly: a dropped guard is freed at once)."""
+
+    __slots__ = ("_recorder",)
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        self._recorder = weakref.ref(recorder)
+
+    def __call__(self) -> None:
+        recorder = self._recorder()
+        if recorder is not None:
+            recorder._after_backward()
+
+    def failed(self, exc: BaseException) -> None:
+        recorder = self._recorder()
+        if recorder is not None:
+            recorder._backward_raised(exc)
 
 
 def _keep_grad(record: ForwardRecord, index: int, grad: torch.Tensor) -> None:

@@ -89,6 +89,10 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
         # raised between backward() and optimizer.step() (clip_grad_norm_(error_if_nonfinite=True), the user's own
         # check of the losses): the step's real loss and gradients say whether a value caused it
         seen = _nonfinite_after_backward(watched, capture)
+        if seen is None and getattr(exc, "_nantrace_backward", False) and is_value_message(str(exc)):
+            # autograd's engine stopped the backward on a value (anomaly mode: "returned nan values"), before
+            # the gradients were written: the backward is localised as a non-finite gradient would be
+            seen = "nonfinite_grad"
         if seen is not None:
             return _after_backward(watched, incident, capture, exc, seen)
         if abandoned:  # finite loss and gradients: a step left after backward() for a reason of its own
@@ -202,7 +206,8 @@ def _after_backward(watched: "Watched", incident: "Incident", capture: Any, exc:
     what = "loss" if seen == "nonfinite_loss" else "gradients"
     incident.kind = seen  # what localisation branches on (a loss seen non-finite, or only the gradients)
     incident.summary = f"The step's {what} were non-finite after backward() at step {incident.step}."
-    localise_incident(watched, incident, capture)
+    with torch.autograd.set_detect_anomaly(False):  # the user's anomaly mode would stop the replay's backward too
+        localise_incident(watched, incident, capture)
     incident.kind = "exception"
     incident.details["observed"] = seen
     if exc is None:
@@ -214,7 +219,11 @@ def _after_backward(watched: "Watched", incident: "Incident", capture: Any, exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         message = f"{type(exc).__name__}: {first}"
         incident.details["exception"] = message
-        then = f" Then the step raised {message} before optimizer.step()."
+        if getattr(exc, "_nantrace_backward", False):  # the engine stopped the backward before it wrote them
+            incident.details["observed"] = "backward_raised"
+            then = f" Then backward() stopped with {message.rstrip('.')} (before any gradient was written)."
+        else:
+            then = f" Then the step raised {message} before optimizer.step()."
     incident.summary = f"{incident.summary}{then}"
     return True
 
