@@ -1259,15 +1259,6 @@ def _street_count_first() -> Program:
 # ======================================================================= where nantrace is wrong
 _BOTH = ("zero_intrusive", "replayable")
 _WHY: dict[str, tuple[tuple[str, ...], str]] = {
-    "tinybert_layerwise_distillation_grandchild_layers_zero_new_token": (("zero_intrusive",),
-        "nantrace: kind nonfinite_input, phase data, op None, cause nonfinite_input ('the batch itself carries NaN'); "
-        "right: nonfinite_loss, aten.rsqrt.default in encoder.layers.0.norm (rms_rsqrt), zero_variance_norm. "
-        "step_capture.StepRecorder.watch_parts hooks only the model's children and the members of its ModuleList/"
-        "ModuleDict children, so model.encoder.layers[i] (a ModuleList below a plain child) called by the loss code is "
-        "no recorded forward; its ops are on the loss tape, but localiser._localise first replays the recorded units "
-        "one by one, and the unit of model.head receives the layers' NaN as an argument: rerun.run_unit cuts it to a "
-        "plain input (_cut), trace_back ends there (external 'input') and localiser._made_before_forward looks for the "
-        "op that made a bad model argument only in the prelude, never in the loss tape."),
     "multitask_hook_rescales_aux_gradient_by_loss_ratio_over_zero": (("zero_intrusive",),
         "nantrace: phase backward, op aten.mul.Tensor at the hook's line, cause inf_arithmetic (details: "
         "intentional_inf); right: phase forward, aten.div.Tensor at the ratio line, div_by_zero (as replayable "

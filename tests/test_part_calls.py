@@ -193,6 +193,55 @@ def test_a_module_list_run_layer_by_layer_from_the_loss_code():
     assert points_at(inc.source, __file__, "sqrt"), inc.source
 
 
+class LayerHolder(nn.Module):
+    """A plain child holding the layer list (``model.encoder.layers``, as in a BERT or a ViT)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(4, 4, bias=False), nn.Sequential(nn.Identity(), RowLength())])
+
+
+class Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = LayerHolder()
+        self.heads = nn.ModuleDict({"regress": nn.Linear(1, 1)})
+
+
+def _early_exit(model: Deep, x: torch.Tensor) -> torch.Tensor:
+    """An early-exit / layer-wise loss: the encoder's layers run one by one, then a head from a dict."""
+    hidden = []
+    for layer in model.encoder.layers:
+        x = layer(x)
+        hidden.append(x)
+    return model.heads["regress"](x).pow(2).mean() + 0.01 * sum(h.abs().mean() for h in hidden)
+
+
+def test_layers_of_a_list_below_a_child_run_from_the_loss_code():
+    """The layer list lives below a plain child (``model.encoder.layers[i]``) and the head in a dict:
+    each is a recorded call, and the backward's sqrt at 0 is found inside the second layer."""
+    model = Deep()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nantrace.watch(model, opt, config=QUIET) as guard:
+        for step in range(4):
+            x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+            if step == BAD_STEP:
+                x[4] = 0.0
+            opt.zero_grad()
+            _early_exit(model, x).backward()
+            if step == 0:
+                assert [f.module for f in guard.recorder.capture.forwards] == [
+                    "encoder.layers.0", "encoder.layers.1", "heads.regress"]
+            opt.step()
+        incs = list(guard.incidents)
+    assert incs, "no incident"
+    inc = incs[0]
+    assert (inc.step, inc.kind, inc.phase, inc.op, inc.module, inc.cause) == (
+        BAD_STEP, "nonfinite_grad", "backward", "aten.sqrt.default", "encoder.layers.1.1", "grad_singularity")
+    assert points_at(inc.source, __file__, "sqrt"), inc.source
+
+
 class Residual(nn.Module):
     def __init__(self, shared: nn.Module) -> None:
         super().__init__()

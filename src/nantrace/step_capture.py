@@ -176,7 +176,8 @@ class StepRecorder:
 
     def watch_parts(self, root: nn.Module) -> None:
         """Hook the parts of ``root`` that loss code may call without calling ``root``: its children,
-        and the members of its ``ModuleList``/``ModuleDict`` children. Inside the model's own forward
+        and the members of its ``ModuleList``/``ModuleDict`` containers at any depth (layer stacks a
+        layer-wise distillation or an early-exit loss runs one by one). Inside the model's own forward
         the hooks only count calls (about 2 µs a call); they are taken off after the first step that
         ran the model's forward and called no part from outside it (unless an earlier step did), and
         put back if a later step's backward reaches the model with nothing of it captured
@@ -188,12 +189,7 @@ class StepRecorder:
         root = self._parts_root() if self._parts_root is not None else None
         if root is None or self._part_handles:
             return
-        parts: list[tuple[str, nn.Module]] = []
-        for name, child in root.named_children():
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                parts.extend((f"{name}.{sub}", m) for sub, m in child.named_children())
-            else:
-                parts.append((name, child))
+        parts = _callable_parts(root)
         for path, part in dict((id(m), (p, m)) for p, m in reversed(parts)).values():  # a module shared by two paths: its first
             self._part_handles.append(part.register_forward_pre_hook(functools.partial(self.part_pre, path),
                                                                      with_kwargs=True))
@@ -386,6 +382,29 @@ def _in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (it recomputes checkpointed
     modules from there)."""
     return _graph_task is not None and _graph_task() != -1
+
+
+_MAX_PARTS = 512
+"""At most this many parts are hooked (a very deep stack of layer lists: the shallowest first)."""
+
+
+def _callable_parts(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of the parts of ``root`` that a script calls on their own: the direct children
+    that are not containers, and every member of a ``ModuleList``/``ModuleDict`` anywhere below
+    ``root`` (``model.encoder.layers[i]``), shallowest first."""
+    parts: list[tuple[str, nn.Module]] = []
+    level: list[tuple[str, nn.Module]] = [("", root)]
+    while level and len(parts) < _MAX_PARTS:
+        below: list[tuple[str, nn.Module]] = []
+        for prefix, module in level:
+            container = isinstance(module, (nn.ModuleList, nn.ModuleDict))
+            for name, child in module.named_children():
+                path = f"{prefix}.{name}" if prefix else name
+                if (container or module is root) and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                    parts.append((path, child))
+                below.append((path, child))
+        level = below
+    return parts[:_MAX_PARTS]
 
 
 class _BackwardEnd:
