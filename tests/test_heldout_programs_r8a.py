@@ -1051,45 +1051,9 @@ def _siamese() -> Program:
 
 
 # ======================================================================= what nantrace still gets wrong
-_REPLAYABLE_RERUN_READS_LIVE_STATE = (
-    "the replayable call is re-run on the loss object's live state (rerun.run_unit -> unit.fn(*args) under "
-    "rerun._python_state_kept, which only puts the object's attributes back AFTER the re-run); the tape's copies "
-    "of tensors written after use (LossTape.before_write) and the prelude's provenance are used only when that "
-    "re-run is finite (localiser: observed_in is None -> replayable_call_finite). Here the re-run is non-finite for "
-    "a reason the real call did not have, so its trace is taken as the diagnosis and ends at a NaN that was already "
-    "in the object's state.")
-XFAIL.update({
-    "moco_queue_enqueued_after_use_letterbox_crop_zero_key[replayable]":
-        "nantrace: op aten.clone.default (the queue's clone, line of l_neg), cause unknown; right (as zero-intrusive "
-        "gets): aten.div.Tensor of the key normalisation, zero_variance_norm. The real call wrote the blank crop's NaN "
-        "key into self.queue after use; " + _REPLAYABLE_RERUN_READS_LIVE_STATE,
-    "online_label_smoothing_epoch_boundary_class_absent_from_first_epoch[replayable]":
-        "nantrace: op aten.index.Tensor (self.supervise[:, y]), cause unknown; right (as zero-intrusive gets): the "
-        "prelude's division update / idx_count at the epoch boundary, div_by_zero. The NaN soft labels reach the "
-        "re-run through an attribute, not an argument, so localiser._made_before_forward (which follows only an "
-        "'input' external of the failing unit into the prelude) never runs; " + _REPLAYABLE_RERUN_READS_LIVE_STATE,
-})
-for _mode in ("zero_intrusive", "replayable"):
-    XFAIL[f"lstm_numpy_port_sigmoid_exp_overflow_unscaled_new_site[{_mode}]"] = (
-        "nantrace: cause where_gradient_trap; right: exp_overflow (op, module, line and phase forward are right). No "
-        "where or mask is involved: the exp's infinity goes through '1.0 + e' (inf) and is taken to 0 by the "
-        "reciprocal. tracer.OpTracer._note_absorbed marks absorbed_by on the IMMEDIATE producer of the non-finite "
-        "tensor a finite op read (the add's record), never on the record that created the infinity (the exp); the exp's "
-        "absorbed_by stays None and classify (_backward_cause / the forward branch of classify) reads None as 'a "
-        "selection dropped it'. Checked: the same cell with tanh(-(exp(-z) + 1)) also gives where_gradient_trap, "
-        "clamp(exp(-z)) read directly gives exp_overflow.")
-    XFAIL[f"glow_actnorm_data_dependent_init_constant_flag_column_first_batch[{_mode}]"] = (
-        "nantrace: step 0 nonfinite_param / nonfinite_param, action raised (NonFiniteError though on_anomaly='skip'), "
-        "'already holds non-finite values at step 0, before any update'; right: nonfinite_loss, forward, "
-        "aten.reciprocal.default in flows.0 (ActNorm.initialize's 1 / std), zero_variance_norm, skipped. The parameters "
-        "were finite at watch() and at the step's start; the step's own forward wrote them (data-dependent init). "
-        "response/checkpoints.loaded_state_finding and triage._nonfinite take any parameter non-finite at the step's "
-        "check for a state from before the step. With that finding bypassed (monkeypatched in a throwaway script), "
-        "the replay still says nonfinite_param: the uint8 'initialized' buffer is not snapshotted (snapshot_buffers "
-        "copies floating buffers only), so the replayed forward skips the initialisation and reads the infinite scale.")
-STATE_XFAIL.update({f"glow_actnorm_data_dependent_init_constant_flag_column_first_batch[{m}]":
-                    "the wrong nonfinite_param finding raises NonFiniteError at step 0 (see XFAIL), ending the run"
-                    for m in ("zero_intrusive", "replayable")})
+# (none left: the LSTM's sigmoid absorbing an exp through an add, the replayable re-run meeting state written
+#  after use or made in the prelude, and the ActNorm's data-dependent initialisation are fixed; see
+#  tests/test_r8a_mechanisms.py)
 
 
 # ======================================================================= the oracle

@@ -105,7 +105,7 @@ def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | N
         # masked_fill); its derivative, 0 × non-finite, leaks it into the gradients. A softmax
         # over fully masked rows keeps its own cause wherever its NaN went (rows the loss ignores).
         cause, detail, facts = _forward_cause(rec, ctx)
-        if cause != "masked_softmax_all" and (rec.absorbed_by is None or rec.absorbed_by.rstrip("_") in _SELECTIONS):
+        if cause != "masked_softmax_all" and _selected_away(rec):
             cause, detail, facts = "where_gradient_trap", _unselected_detail(rec), {}
         elif cause != "masked_softmax_all":  # a saturating op (tanh, sigmoid, clamp) took it in: the op's own cause
             facts["absorbed_by"] = rec.absorbed_by
@@ -326,9 +326,18 @@ def _own_op_cause(rec: OpRecord, ctx: RuleContext) -> Verdict:
 
 
 _SELECTIONS = frozenset({"where", "masked_fill", "masked_scatter", "masked_select", "index", "index_select", "gather",
-                         "take", "take_along_dim", "index_put", "scatter", "nan_to_num", "copy", "fill"})
-"""Ops that drop or overwrite values (their non-finite inputs' derivative, 0 × inf, is the where trap); a
-saturating op that takes an infinity to a finite value (tanh, sigmoid, a clamp) is not one."""
+                         "take", "take_along_dim", "index_put", "scatter", "nan_to_num", "copy", "fill", "logsumexp"})
+"""Ops that drop or overwrite values (their non-finite inputs' derivative, 0 × inf, is the where trap), a
+``logsumexp`` included: a ``-inf`` term contributes exp(-inf) = 0 to it, the mask of log space. A saturating
+op that takes an infinity to a finite value (tanh, sigmoid, a clamp, the reciprocal of ``1 + inf``) is not one."""
+
+
+def _selected_away(rec: OpRecord) -> bool:
+    """Whether a selection (:data:`_SELECTIONS`) is what took ``rec``'s non-finite output out of the
+    forward: only then is its derivative's 0 x inf the where trap. Anything else that absorbed it (a
+    reciprocal of ``1 + inf``, a tanh, a clamp), or nothing the replay saw, leaves the op's own cause:
+    the value was born non-finite there, and no selection is in evidence."""
+    return rec.absorbed_by is not None and rec.absorbed_by.rstrip("_") in _SELECTIONS
 
 
 def _backward_cause(rec: OpRecord, fwd: OpInfo | None, ctx: RuleContext) -> Verdict:
@@ -338,13 +347,14 @@ def _backward_cause(rec: OpRecord, fwd: OpInfo | None, ctx: RuleContext) -> Verd
     short = short_op(fwd.op)
     if fwd.record is not None:
         absorber = fwd.record.absorbed_by
-        if absorber is None or absorber.rstrip("_") in _SELECTIONS:
+        if _selected_away(fwd.record):
             return "where_gradient_trap", "the forward value was non-finite in the branch that was not selected", facts
         # a saturating op (tanh, sigmoid, a clamp) took the forward's non-finite value to a finite one: the
         # value was born in the forward, by the forward op's own cause
         cause, detail, facts = _forward_cause(fwd.record, ctx)
         facts["absorbed_by"] = absorber
-        return cause, f"{detail}; {absorber} took it to a finite value, its derivative then met it in the backward", facts
+        took = f"{absorber} took it to a finite value" if absorber is not None else "it never reached the loss"
+        return cause, f"{detail}; {took}, its derivative then met it in the backward", facts
     out_dtype = rec.output.dtype if rec.output is not None else None
     if ctx.low_precision_finite:  # the float32 re-run decides: it also sees a rounding upstream of the op
         if out_dtype in LOW_PRECISION:

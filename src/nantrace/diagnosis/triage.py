@@ -96,9 +96,25 @@ def _divergence_finding(d: Divergence, step: int) -> Finding:
     return Finding(step, d.kind, phase, d.cause, None, d.summary(step), d.fix(), details=details)
 
 
+PARAMS_WITHOUT_UPDATE = "params_nonfinite_without_update"
+"""``Finding.details`` key: the parameters are non-finite at the step's check though no update has landed
+since ``watch()`` read them finite; the finding is what else the step shows, and the replay decides whether
+the step's own code made them so (:func:`nantrace.localisation.localiser.settle_parameter_writes`)."""
+
+
 def _nonfinite(health: StepHealth, *, step: int, scaler_active: bool, last_applied: int | None,
                params_read: int | None = None) -> Finding | None:
     """The finding for a step whose sentinel figures hold a non-finite value (``None`` otherwise)."""
+    if not health.params_finite and last_applied is None:
+        # No update has landed since watch() read every parameter finite (else the checkpoint gate named them at
+        # the first step): the run's own code wrote them, in this step (a data-dependent initialisation in the
+        # forward) or before it. A failure of the step's computation (its loss, outputs or gradients) is then the
+        # finding, and its replay tells the two apart; a non-finite batch is no computation of the step, and the
+        # parameters' finding stands next to it.
+        shown = _step_failure(health, step=step, scaler_active=scaler_active)
+        if shown is not None and not shown.benign and shown.kind != "nonfinite_input":
+            shown.details[PARAMS_WITHOUT_UPDATE] = True
+            return shown
     if not health.params_finite:
         # An update that makes parameters non-finite is caught and undone at its own step
         # (response/update_check.py): parameters that are non-finite here were made so between
@@ -116,6 +132,12 @@ def _nonfinite(health: StepHealth, *, step: int, scaler_active: bool, last_appli
                       "op through .data, a fused kernel outside the optimizer) or a checkpoint loaded into it")
         summary, fix = explain("nonfinite_param", detail=detail)
         return Finding(step, "nonfinite_param", None, "nonfinite_param", None, summary, fix, details=details)
+    return _step_failure(health, step=step, scaler_active=scaler_active)
+
+
+def _step_failure(health: StepHealth, *, step: int, scaler_active: bool) -> Finding | None:
+    """The finding for the step's own non-finite figures besides its parameters: the batch, the loss, the
+    model's outputs, the gradients (``None`` when they are finite, or for a GradScaler's calibration skip)."""
     if not health.inputs_finite:
         summary, fix = explain("nonfinite_input", detail="in the tensors passed to the model's forward")
         return Finding(step, "nonfinite_input", "data", "nonfinite_input", None, summary, fix)

@@ -19,6 +19,9 @@ import torch
 from ..capture import CallRecord, ForwardRecord, StepCapture, floating_tensors
 from ..diagnosis.classify import LOW_PRECISION, Classification, classify
 from ..diagnosis.patterns import explain
+from ..diagnosis.triage import PARAMS_WITHOUT_UPDATE, Finding
+from ..response.policies import action_for
+from ..taxonomy import Action
 from .modules import ModuleStack
 from .origin import Origin, backward_start, chain_summary, trace_back
 from ..loss_tape import unread_nograd_forwards
@@ -70,6 +73,40 @@ def localise_incident(watched: "Watched", incident: "Incident", capture: StepCap
                                 "the bundle keeps the step for `nantrace replay`.")
     finally:
         incident.details["localisation_seconds"] = round(time.perf_counter() - start, 4)
+    settle_parameter_writes(watched, incident)
+
+
+def settle_parameter_writes(watched: "Watched", incident: "Incident") -> None:
+    """Judge parameters that were non-finite at the step's check though no update had changed them since
+    ``watch()`` read them finite (``triage.PARAMS_WITHOUT_UPDATE``), from the replay's verdict.
+
+    The replay starts from the step's captured state and re-runs its code: when it shows the step's own
+    code making the failure (a data-dependent initialisation dividing by the std of a constant column and
+    writing the result into the parameters), that op is the diagnosis and the parameters are its effect.
+    When it reads them non-finite before any op of the step made them so, or establishes nothing, they were
+    written before the step (a load after ``watch()`` that no integration recorded, an in-place write):
+    the incident is the check's ``nonfinite_param``, with the policy's action for it (skipping cannot
+    repair them)."""
+    if not incident.details.get(PARAMS_WITHOUT_UPDATE):
+        return
+    bad = [str(b["name"]) for b in incident.details.get("nonfinite_params") or []]
+    names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") or "parameters"
+    if incident.cause not in ("unknown", "nonfinite_param"):
+        incident.summary = (f"{incident.summary} The step's own code also wrote non-finite values into {names} "
+                            "(finite when watch() read them); skipping the update does not undo that.")
+        return
+    incident.kind, incident.cause = "nonfinite_param", "nonfinite_param"
+    incident.phase = incident.op = incident.source = None
+    incident.transient = None
+    if bad:
+        incident.module = bad[0].rpartition(".")[0]
+    incident.summary, incident.fix = explain("nonfinite_param", detail=(
+        f"{names}: no update has changed the parameters since watch() read them finite, and the replay of the step "
+        "does not show its own code making them so: they were written before it (a load, an in-place write)"))
+    if incident.action == Action.SKIPPED:  # not escalated: the policy's action for a state the update cannot repair
+        finding = Finding(incident.step, "nonfinite_param", None, "nonfinite_param", incident.module, incident.summary,
+                          incident.fix)
+        incident.action = action_for(watched.policy, finding, finite_trouble=False, config=watched.config)
 
 
 def externals_of(watched: "Watched", units: list[Any]) -> dict[int, str]:
@@ -290,6 +327,14 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
         incident.details["localisation"] = "the non-finite value was observed but no traced op produced it"
         return
     origin = trace_back(start)
+    if isinstance(failing_unit, CallRecord) and not together and _met_earlier_state(origin) \
+            and capture.forwards and capture.tape is not None and capture.tape.usable:
+        # The re-run of the replayable call ended at a NaN that was in the program's state before it began and
+        # did not come in through its arguments: the real call (or code before it) put it there, so the re-run
+        # read other values than the real call did. The step's forwards and taped code hold the real call's.
+        incident.details["replayable_call_read_later_state"] = str(origin.record.op if origin.record else None)
+        _localise(watched, incident, capture.without_calls(), lockstep)
+        return
     if origin.external is not None and origin.external.external == "input" and not together \
             and isinstance(failing_unit, (ForwardRecord, CallRecord)) and capture.prelude is not None \
             and capture.prelude.usable:
@@ -303,6 +348,16 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
     _apply(incident, cls, origin, replayable=replayable)
     if observed_in == "gradient_code" and cls.cause not in ("nonfinite_param", "nonfinite_input"):
         _in_gradient_code(incident, cls, gradient_code.bad if gradient_code is not None else [])
+
+
+def _met_earlier_state(origin: Origin) -> bool:
+    """Whether the trace ends at a NaN that existed before the replay began and that is neither the
+    model's state (a parameter or buffer: ``nonfinite_param``) nor an argument of the replayed unit (the
+    batch, or a value the prelude made): state the replayed code reads by itself (a loss object's
+    attribute, a queue it keeps). When a ``replayable`` call is re-run, that state is as the real call
+    left it, written after use or rebound since, so the re-run proves nothing about the real call."""
+    ext = origin.external.external if origin.external is not None else None
+    return ext is not None and ext != "input" and not ext.startswith(("param:", "buffer:"))
 
 
 def _made_before_forward(watched: "Watched", capture: StepCapture, unit: Any) -> tuple[Origin, OpTracer] | None:

@@ -28,7 +28,9 @@ class LocalisationConfig(SettingsGroup):
     """On a low-precision failure, re-run the step in float32 to tell overflow from a math error."""
 
     snapshot_buffers: bool = True
-    """Copy floating buffers (e.g. BatchNorm statistics) before each forward so that a replay starts from the same state."""
+    """Copy buffers before each forward so that a replay starts from the same state: every buffer, whatever its dtype,
+    on the first forward, then those the first forward changed (a step counter, an initialisation flag; not the
+    running statistics a training-mode BatchNorm only writes): ``capture.BufferPlan``."""
 
     keep_output_grads: bool = True
     """Keep the gradient arriving at the model's outputs so backward origins can be replayed without the loss."""

@@ -75,11 +75,21 @@ def _display_path(filename: str, cwd: str) -> str:
 
 
 def _is_library(name: str) -> bool:
-    """Whether a frame's file is torch's, nantrace's own, frozen, or a compiled graph's generated code."""
-    if name.startswith(("<frozen", "<eval_with_key>")):
-        return True
-    ours = name.startswith(_NANTRACE_DIR) and not name.startswith(_USER_CODE_IN_NANTRACE)
-    return ours or name.startswith(_TORCH_DIR)
+    """Whether a frame's file is torch's, nantrace's own, frozen, or a compiled graph's generated code
+    (remembered per file name: every forward and every kept loss-code call walks a few frames)."""
+    known = _LIBRARY_FILES.get(name)
+    if known is None:
+        if name.startswith(("<frozen", "<eval_with_key>")):
+            known = True
+        else:
+            ours = name.startswith(_NANTRACE_DIR) and not name.startswith(_USER_CODE_IN_NANTRACE)
+            known = ours or name.startswith(_TORCH_DIR)
+        if len(_LIBRARY_FILES) < 4096:
+            _LIBRARY_FILES[name] = known
+    return known
+
+
+_LIBRARY_FILES: dict[str, bool] = {}
 
 
 _REPLAY_SITES: list[tuple[Any, str | None]] = []
@@ -142,6 +152,10 @@ _MASKING_OPS = frozenset({
 """Ops through which a ``-inf`` tensor from outside is applied as an additive mask (to attention
 scores, logits); a ``-inf`` input first met by a matmul, a convolution or a normalisation is a bad
 value of the batch instead."""
+_OVERWRITES = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
+                         "geometric_", "log_normal_", "cauchy_"})
+"""In-place ops that replace every value of the tensor they write (``self``): its old values are not an
+operand of theirs (``p.data.copy_(new)`` does not carry ``p``'s old NaN into ``p``)."""
 
 
 def _is_custom_function(node: Any) -> bool:
@@ -240,7 +254,9 @@ class OpRecord:
     """A backward-phase op the user's code issued (a custom Function's backward, a hook), not a
     built-in derivative: it is judged as the op itself, at its own source line."""
     absorbed_by: str | None = None
-    """The first op with a finite result that read this op's non-finite output (its short name)."""
+    """The first op with a finite result that read this op's non-finite output, directly or through ops
+    that kept it non-finite (``1 / (1 + exp(z))``: the reciprocal absorbs the exp's infinity through the
+    add): its short name (:meth:`OpTracer._note_absorbed`)."""
     absorbed: bool = False
     """An op with a finite floating output read this op's non-finite output (a ``where``, a
     ``masked_fill_``, an overwrite): there the value was masked or dropped. With no later record
@@ -323,6 +339,32 @@ def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return out
 
 
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    """Where ``t``'s memory is (device, address of its storage): the same for every tensor object over it
+    (``p`` and ``p.data``, a view); ``None`` where there is none to read (a subclass, a meta tensor)."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return (str(t.device), ptr) if ptr else None
+
+
+def _name_absorber(rec: OpRecord, short: str) -> None:
+    """Record ``short`` as what absorbed ``rec``'s non-finite output and that of every record it was
+    made from through non-finite inputs, where none was named yet: the op that created an infinity
+    (an exp) is often read only through ops that keep it infinite (``1 + e``) before one takes it to a
+    finite value, and the cause of its derivative's 0 x inf depends on what that one was (a selection
+    or a saturating op). A record already named has its ancestors named (they were named with it), so
+    each record is visited once over the whole replay."""
+    stack = [rec]
+    while stack:
+        cur = stack.pop()
+        if cur.absorbed_by is not None:
+            continue
+        cur.absorbed_by = short
+        stack.extend(ref.producer for ref in cur.inputs if ref.producer is not None and ref.producer.absorbed_by is None)
+
+
 def _clone_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The op's arguments with the tensors it writes in place cloned, so the evidence sees
     the values the op read, not the ones it wrote."""
@@ -348,6 +390,10 @@ class OpTracer(TorchDispatchMode):
         self.producer: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.made_by: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         """Every tensor a forward op made, finite or not, to its op: the provenance of operands."""
+        self.wrote_into: dict[tuple[str, int], OpRecord] = {}
+        """Memory (by :func:`_storage_key`) an in-place op wrote non-finite values into, to that op's record: a
+        parameter written through ``p.data`` (``p.data.copy_(1 / std)``, a data-dependent initialisation) is then
+        read as ``p``, another tensor object over the same memory, which no record produced."""
         self.node_info: dict[Any, OpInfo] = {}
         """Autograd node → the op that made it under grad mode (its backward ops run that op's derivative)."""
         self.node_module: dict[Any, str | None] = {}
@@ -459,8 +505,25 @@ class OpTracer(TorchDispatchMode):
             record.args, record.kwargs, record.output = kept[0], kept[1], bad[0]
         for t in bad:
             self.producer[t] = record
+        if mutable:
+            self._note_written(func, args, kwargs, record)
         self.records.append(record)
         return out
+
+    def _note_written(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], record: OpRecord) -> None:
+        """Remember the memory of each tensor the op wrote in place and left non-finite (see :attr:`wrote_into`)."""
+        for t in written_tensors(func, args, kwargs):
+            if (t.is_floating_point() or t.is_complex()) and t.numel() and not _all_finite(t):
+                key = _storage_key(t)
+                if key is not None:
+                    self.wrote_into[key] = record
+
+    def _writer(self, t: torch.Tensor) -> "OpRecord | None":
+        """The record that wrote non-finite values into ``t``'s memory in place during the replay, if any."""
+        if not self.wrote_into:
+            return None
+        key = _storage_key(t)
+        return self.wrote_into.get(key) if key is not None else None
 
     def _note_absorbed(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                        pre: dict[int, tuple[bool, bool]] | None) -> None:
@@ -473,9 +536,8 @@ class OpTracer(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 rec = self.producer.get(t)
                 if rec is not None and (pre is None or pre.get(id(t), (True, True)) != (False, False)):
-                    if not rec.absorbed:
-                        rec.absorbed_by = short
                     rec.absorbed = True
+                    _name_absorber(rec, short)
 
     def _note_ignored_targets(self, args: tuple[Any, ...]) -> None:
         # A summed NLL over targets that are all ignore_index is a finite 0; the division
@@ -553,8 +615,11 @@ class OpTracer(TorchDispatchMode):
     def _input_refs(self, args: tuple[Any, ...], kwargs: dict[str, Any], pre: dict[int, tuple[bool, bool]] | None,
                     func: Any = None) -> list[InputRef]:
         refs: list[InputRef] = []
-        masking = func is not None and func._schema.name.split("::")[-1] in _MASKING_OPS
+        short = func._schema.name.split("::")[-1] if func is not None else ""
+        masking = short in _MASKING_OPS
         named = [(f"arg{i}", a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]
+        if short in _OVERWRITES:  # the destination's old values are replaced, not read
+            named = [(position, a) for position, a in named if position not in ("arg0", "self")]
         for position, value in named:
             tensors = [value] if isinstance(value, torch.Tensor) else [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
             for j, t in enumerate(tensors):
@@ -564,7 +629,7 @@ class OpTracer(TorchDispatchMode):
                     nan, inf = pre[id(t)]
                 else:
                     nan, inf = _nan_inf(t)
-                producer = self.producer.get(t) if (nan or inf) else None
+                producer = (self.producer.get(t) or self._writer(t)) if (nan or inf) else None
                 external = None
                 mask = False
                 if (nan or inf) and producer is None:

@@ -156,13 +156,18 @@ class CheckpointGate:
         """Once, at the first step: the model's tensors that were already non-finite, named (as found
         at ``watch()``, or at this step when the framework loaded the weights after it).
 
-        The step's own check has already read whether the parameters are finite
-        (``params_finite``): the model is read again only when they are not or when an integration
-        says weights were loaded after ``watch()``, so a healthy first step keeps its one host read."""
+        Only a state the run is known to have started from: tensors non-finite at ``watch()``, or, when an
+        integration says weights were loaded after it (``loaded_from``), non-finite now. Parameters read
+        finite at ``watch()`` with no load recorded may have been written by the first step's own code (a
+        data-dependent initialisation in the forward): the step check's triage and its replay judge them
+        (``triage.PARAMS_WITHOUT_UPDATE``), and a replay that finds them non-finite before the step reports
+        them as ``nonfinite_param`` then. The model is read again only when an integration recorded a load,
+        so a healthy first step keeps its one host read. ``params_finite`` (the step check's reading)
+        decides nothing here any more: non-finite parameters at the check are the triage's."""
         if self._checked_load:
             return None
         self._checked_load = True
-        recheck = not self._at_watch and (not params_finite or self.loaded_from is not None)
+        recheck = not self._at_watch and self.loaded_from is not None
         bad = self._at_watch or (nonfinite_state(self.guard.root) if recheck else [])
         if not bad:
             return None
