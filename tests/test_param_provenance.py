@@ -3,14 +3,16 @@
 The step check reads every parameter only every ``Config.detection.param_check_every`` steps;
 between, a parameter is known finite from where its value came from (the last read, then only
 updates proven or checked finite) and a write outside the optimizer is found by its version
-counter or storage pointer. Shown here on training loops shaped like real programs (an MLP
-classifier, a tiny GPT, a VAE, a WGAN critic with weight clipping, a mean-teacher student):
+counter or storage pointer (a write through ``.data`` by the alias a tape saw taken). Shown here on
+training loops shaped like real programs (an MLP classifier, a tiny GPT, a VAE, a WGAN critic with
+weight clipping, a mean-teacher student):
 
 - an independent oracle (the test's own ``torch.isfinite`` over every parameter right before
   ``optimizer.step()``) predicts every incident, step for step, for every kind of write, and
   the old every-step read (``param_check_every=1``) reports exactly the same incidents;
-- what provenance cannot see (a value nothing reads, a write through ``.data`` after the
-  backward) is reported where the design says: the next full read, the next step;
+- a write through ``.data`` is seen by the step's tapes and read at the next check; without them
+  (``record_loss_code=False``) provenance cannot see it, and a value nothing reads, or one written
+  after the backward, is reported where the design says: the next full read, the next step;
 - the cadence of full reads, the reads a legitimate in-place write costs, the cases where the
   tracker is off, and that nothing of it changes a single bit of the weights;
 - the run store's ``param_norm`` curve: on the full-read steps, equal to a float64 reference.
@@ -314,6 +316,11 @@ def config(every: int = EVERY, preset: str = "default", **detection: Any) -> nan
                                   outputs={"print_incidents": False})
 
 
+def untaped(every: int = EVERY) -> nantrace.Config:
+    """No tapes (``record_loss_code=False``): nothing sees ``.data`` taken, a write through it leaves no mark."""
+    return config(every).replace(localisation={"record_loss_code": False})
+
+
 def train(prog: Program, *, every: int | None = EVERY, steps: int = STEPS, cfg: nantrace.Config | None = None,
           writes: dict[int, Callable[[Program], None]] | None = None,
           late_writes: dict[int, Callable[[Program], None]] | None = None, run_dir: Any = None,
@@ -458,25 +465,30 @@ def test_a_value_no_step_reads_is_reported_at_the_next_full_read(program, write,
     shape = list(dict(program().model.named_parameters())[name].shape)
     want = {"name": name, "nan": counts[0], "inf": counts[1], "numel": math.prod(shape), "shape": shape}
     for every, step in ((EVERY, next_full(at)), (1, at)):
-        run = train(program(), every=every, writes={at: write})
+        run = train(program(), every=every, writes={at: write}, cfg=untaped(every))
         assert run["predicted"][0] == expected_incident(at, [want])  # the oracle sees it at once
         assert run["raised"] == run["incidents"] == [expected_incident(step, [want])], every
+    seen = train(program(), writes={at: write})  # the prelude saw .data taken and the alias written: a mark
+    assert seen["raised"] == seen["incidents"] == [expected_incident(at, [want])]
 
 
 def test_a_write_through_data_after_the_backward_is_reported_one_step_later():
-    """No mark, and no effect on the step it lands in (its forward and backward are done): the
-    update runs (AdamW writes NaN only where the NaN already was), and the next step's forward is
-    non-finite, so every parameter is read: ``nonfinite_param`` one step after the write."""
+    """Without tapes: no mark, and no effect on the step it lands in (its forward and backward are done):
+    the update runs (AdamW writes NaN only where the NaN already was), and the next step's forward is
+    non-finite, so every parameter is read: ``nonfinite_param`` one step after the write. With them, the
+    gradient tape saw ``.data`` taken: a mark, read at that step's own check."""
     want = [{"name": "fc2.weight", "nan": 1, "inf": 0, "numel": 1024, "shape": [32, 32]}]
 
     def late(prog: Program) -> None:
         prog.model.fc2.weight.data[4, 9] = math.nan
 
-    ours = train(ClassifierProgram(), late_writes={5: late}, steps=12)
+    ours = train(ClassifierProgram(), late_writes={5: late}, steps=12, cfg=untaped())
     old = train(ClassifierProgram(), every=1, late_writes={5: late}, steps=12)
     assert old["predicted"] == old["raised"] == old["incidents"] == [expected_incident(5, want)]
     assert ours["predicted"] == [expected_incident(5, want), expected_incident(6, want)]
     assert ours["raised"] == ours["incidents"] == [expected_incident(6, want)]
+    taped = train(ClassifierProgram(), late_writes={5: late}, steps=12)
+    assert taped["predicted"] == taped["raised"] == taped["incidents"] == [expected_incident(5, want)]
 
 
 # ---------------------------------------------------------------------------- 3. the cadence and the reads
@@ -780,8 +792,8 @@ def test_an_unread_value_never_reaches_the_optimizer_state(weight_decay):
     (inf - lr·inf = NaN in the weight, inf in the buffer): the tracker is off there, so the check
     reads every parameter every step and raises before that update, as the every-step read does.
     Without weight decay the update leaves the inf where it is (inf - lr·finite) and the buffer
-    finite: it is found at the next full read, and the incident says since when the parameters
-    were known finite."""
+    finite: without tapes it is found at the next full read, and the incident says since when the
+    parameters were known finite; with them, the prelude saw the ``.data`` write: at once."""
     want_inf = [{"name": "0.weight", "nan": 0, "inf": 1, "numel": 320, "shape": [32, 10]}]
     buffers: dict[int, dict[int, bool]] = {}
 
@@ -794,7 +806,8 @@ def test_an_unread_value_never_reaches_the_optimizer_state(weight_decay):
         def after(self, step: int) -> None:  # no teacher: the student alone
             pass
 
-    ours = train(Student(weight_decay), writes={17: _saturated_inf}, steps=34, before_step=buffer)
+    ours = train(Student(weight_decay), writes={17: _saturated_inf}, steps=34, before_step=buffer,
+                 cfg=None if weight_decay else untaped())
     old = train(Student(weight_decay), every=1, writes={17: _saturated_inf}, steps=34, before_step=buffer)
     assert old["raised"] == old["incidents"] == [expected_incident(17, want_inf)]
     assert buffers[1] == dict.fromkeys(range(34), True)
@@ -807,3 +820,5 @@ def test_an_unread_value_never_reaches_the_optimizer_state(weight_decay):
     incident = ours["guard"].incidents[0]
     assert incident.details["params_last_read"] == 16 and incident.details["last_update"] == 31
     assert "read finite at step 16" in incident.summary and "leaves no mark" in incident.summary
+    taped = train(Student(weight_decay), writes={17: _saturated_inf}, steps=34)
+    assert taped["raised"] == taped["incidents"] == [expected_incident(17, want_inf)]

@@ -13,7 +13,14 @@ wolf at calibration or waits twenty steps to see a real collapse. So:
   run of skips only at its 1st, 2nd, 4th, 8th, ... skip.
 - **After the level was found**, more than ``max_skips`` consecutive skips, or a scale
   ``max_drop`` times below that level, is a collapse too (for when no replay is possible).
-- A scale below ``min_scale`` (the scaler now shrinks the gradients) is a collapse.
+- A scale below ``min_scale`` (the scaler now shrinks the gradients) is a collapse, judged at
+  every step whose scale the step's check read: on a skipped step with the skip, on a step the
+  scaler would apply before its update (:meth:`ScalerMonitor.before_update`), which it blocks.
+- A scale the gradients cannot be unscaled from (:func:`unusable_scale`: 0, whose scaled gradients
+  are all 0 and whose reciprocal is inf, so that ``unscale_`` makes ``0 × inf = NaN`` which the
+  scaler's own overflow check, made on the scaled values, never sees; one whose float32 reciprocal
+  overflows; an infinite one) is a collapse before the update whatever the scaler would do, and
+  whatever ``min_scale`` says: the step's unscaled gradients are unknown.
 
 While a collapse lasts, every further skipped step is reported again (``continuing``) so
 that the escalation ladder counts it; the first applied step ends it.
@@ -32,7 +39,28 @@ if TYPE_CHECKING:
     from ..capture import StepCapture
     from ..watched import Watched
 
-__all__ = ["ScalerCollapse", "ScalerMonitor", "replay_at_scale_one"]
+__all__ = ["ScalerCollapse", "ScalerMonitor", "replay_at_scale_one", "unusable_scale"]
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def unusable_scale(scale: float | None) -> str | None:
+    """Why a loss scale makes the unscaled gradients unknown (a sentence), ``None`` when they can be
+    recovered from it (or no scale was read). ``GradScaler.unscale_`` multiplies by the float32
+    reciprocal of the scale: at 0 (or below ~3e-39) that reciprocal is inf and every zero gradient
+    turns NaN; at inf it is 0 and every gradient turns 0 or NaN."""
+    if scale is None or math.isnan(scale):
+        return None
+    if scale == 0.0:
+        return ("the loss scale is 0: the scaled loss and gradients are all 0, and unscaling them multiplies "
+                "by 1/0 = inf (0 × inf = NaN), which the scaler's overflow check, made on the scaled values, "
+                "does not see")
+    if math.isinf(scale):
+        return f"the loss scale is {scale:g}: every scaled gradient overflows and no update can be unscaled"
+    if abs(1.0 / scale) > _F32_MAX:
+        return (f"the loss scale {scale:g} is so small that its float32 reciprocal is inf: unscaling turns every "
+                "zero gradient into NaN")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +89,46 @@ class ScalerMonitor:
         """The highest scale at which the scaler applied an update (its level, once found)."""
         self._collapsed = False
         self._undecided = False
+        self._judged = False
+        """:meth:`before_update` called this step a collapse (and the update was withheld): :meth:`update`
+        only books it as a skip."""
 
     @property
     def collapsed(self) -> bool:
         return self._collapsed
 
+    def before_update(self, *, scale: float | None, skipping: bool) -> ScalerCollapse | None:
+        """Judge the scale before the scaler steps, from the step's own read (no host read of its own).
+
+        A collapse (the caller withholds the update) when the scale is unusable (:func:`unusable_scale`:
+        the scaler's skip cannot be trusted, it misses the NaN its own unscaling makes), or below
+        ``min_scale`` on a step the scaler would apply (``skipping``: the step's gradients are
+        non-finite, the scaler skips it and :meth:`update` judges the floor with the skip)."""
+        unusable = unusable_scale(scale)
+        below = scale is not None and not skipping and scale < self.min_scale
+        self._judged = unusable is not None or below
+        if not self._judged:
+            return None
+        n = self.consecutive_skips + 1
+        if self._collapsed:
+            return ScalerCollapse(n, _f(scale), f"the loss scale is still {_f(scale):g}", continuing=True,
+                                  level=self.level)
+        self._collapsed = True
+        reason = unusable or (f"the loss scale is {scale:g}, below the floor {self.min_scale:g}: the scaler now "
+                              "shrinks the gradients instead of protecting them from underflow")
+        return ScalerCollapse(n, _f(scale), reason, level=self.level)
+
     def update(self, *, skipped: bool, scale: float | None,
                probe: Callable[[], bool | None] | None = None) -> ScalerCollapse | None:
         """Judge one finished step. ``probe`` replays it at scale 1: True when the gradients are
-        finite there, False when not, None when it could not tell; called only when due."""
+        finite there, False when not, None when it could not tell; called only when due. A step
+        :meth:`before_update` already called a collapse is booked as a skipped one (its update was
+        withheld), and not judged again."""
+        if self._judged:
+            self._judged = False
+            self.consecutive_skips += 1
+            self.total_skips += 1
+            return None
         if not skipped:
             self.consecutive_skips = 0
             self._collapsed = False

@@ -17,6 +17,9 @@ from typing import Any
 import torch
 
 from ..capture import extremes_ok, extremes_ok_on_host
+from .scaler import unusable_scale
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclasses.dataclass
@@ -194,15 +197,19 @@ class StagedHealth:
         return flags * ok.to(flags.dtype)
 
     def unscaled_grad_norm64(self) -> torch.Tensor:
-        """The total gradient norm in float64 exactly as :func:`finish` computes it on the host
-        (divided by the loss scale when the gradients are scaled), for device-side comparisons
-        that must agree bit for bit with the host's."""
+        """The total gradient norm in float64 as :func:`finish` computes it on the host (divided by the
+        loss scale when the gradients are scaled), for device-side comparisons that must agree with the
+        host's. A scale the gradients cannot be unscaled from (0, infinite, or one whose float32
+        reciprocal overflows: :func:`~nantrace.detection.scaler.unusable_scale`) gives NaN for a finite
+        scaled norm: unknown, so no device verdict counts it finite (the host reads it as ``None``)."""
         g = self.grad_norm.to(torch.float64)
         if not self.grads_scaled:
             return g
         s = self.scale.to(torch.float64)
-        usable = torch.isfinite(s) & (s != 0)  # the host divides only by a real, non-zero scale
-        return torch.where(usable, g / torch.where(usable, s, torch.ones_like(s)), g)
+        usable = torch.isfinite(s) & (s != 0) & (s.reciprocal().abs() <= _F32_MAX)
+        divided = g / torch.where(usable, s.abs(), torch.ones_like(s))
+        unknown = torch.where(torch.isfinite(g), torch.full_like(g, math.nan), g)
+        return torch.where(usable, divided, torch.where(torch.isnan(s), g, unknown))  # NaN: no scale was read
 
 
 def stage(
@@ -368,9 +375,8 @@ def finish(staged: StagedHealth, host: list[float]) -> StepHealth:
     if pn and not staged.exact and not math.isfinite(pnorm) and _exactly_finite(params):
         param_norms = [float(n) for n in _norms64(params)]
         pnorm = math.sqrt(sum(n * n for n in param_norms))
-    if staged.grads_scaled and scale_value and gn:
-        gnorm = gnorm / scale_value
-        grad_norms = [g / scale_value for g in grad_norms]
+    if staged.grads_scaled and scale_value is not None and gn:
+        gnorm, grad_norms = _unscaled(gnorm, grad_norms, scale_value)
     return StepHealth(
         loss=loss if staged.has_loss else None,
         grad_norm=gnorm if gn else None,
@@ -382,6 +388,18 @@ def finish(staged: StagedHealth, host: list[float]) -> StepHealth:
         grad_norms=grad_norms,
         param_norms=param_norms,
     )
+
+
+def _unscaled(total: float, norms: list[float], scale: float) -> tuple[float | None, list[float]]:
+    """The gradient norms with the loss scale divided out. A scale the gradients cannot be unscaled from
+    (:func:`~nantrace.detection.scaler.unusable_scale`: 0, whose scaled gradients are all 0 while
+    ``unscale_`` makes them NaN) leaves them unknown: ``None`` for the total (nothing is proven from it:
+    the update is checked, the scaler's collapse is judged before it) and NaN per tensor, unless the
+    scaled total is already non-finite, which it stays at any scale."""
+    if unusable_scale(scale) is not None:
+        return (total, norms) if not math.isfinite(total) else (None, [math.nan] * len(norms))
+    divisor = abs(scale)
+    return total / divisor, [g / divisor for g in norms]
 
 
 def measure(
