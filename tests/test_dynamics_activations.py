@@ -5,11 +5,13 @@ counted, saturation reported."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks
 
 import nantrace
 from conftest import assert_unhooked
@@ -29,6 +31,10 @@ def test_output_stats_match_a_reference() -> None:
     finite = [abs(float(x)) for x in list(a.flatten()) + list(b.float()) if math.isfinite(float(x))]
     assert absmax == max(finite) == 9.0 and nonfinite == 3
     assert output_stats([torch.zeros(0)]) is None
+
+
+def _monitor_hook(guard: Any) -> Any:
+    return next(m for m in guard.monitors if isinstance(m, ActivationMonitor))._hook
 
 
 def test_activation_rows_on_sampled_steps_match_hooks_by_hand(tmp_path) -> None:
@@ -52,8 +58,11 @@ def test_activation_rows_on_sampled_steps_match_hooks_by_hand(tmp_path) -> None:
     for step in range(7):
         step_of[0] = step
         sampled = step % 3 == 0
-        hooks = {monitor_hooks(m, guard) for m in model}  # the layers: our hook, plus nantrace's on sampled steps
-        assert hooks == ({2} if sampled else {1})
+        hooks = {monitor_hooks(m, guard) for m in model}  # the layers: only our own hook, every step
+        assert hooks == {1}
+        # nantrace's is one process-wide forward hook, on sampled steps only (a hook on a module would take
+        # torch's TransformerEncoderLayer off its fused path: test_no_hook_changes_a_fused_encoder_layer)
+        assert (_monitor_hook(guard) in _global_forward_hooks.values()) == sampled
         x, y = batches(step)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -171,3 +180,46 @@ def test_declared_smoothing_that_does_not_reach_the_output_is_reported() -> None
     assert monitor._judge(figures) == []  # once is not enough
     signal = monitor._judge(LogitFigures(step=4, classes=5, large_fraction=0.0, mean_max_prob=0.99, saturated_rows=0.1))
     assert len(signal) == 1 and "exceeds the 0.9200 that the declared label smoothing 0.1 allows" in signal[0].summary
+
+
+class _FrozenTextProbe(nn.Module):
+    """A frozen, eval-mode transformer encoder (torch's fused inference path) under a trained probe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval().requires_grad_(False)
+        self.probe = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.encoder(x, src_key_padding_mask=pad)
+        return self.probe(h.mean(1))
+
+
+@pytest.mark.parametrize("run_dir", [False, True])
+def test_no_hook_changes_a_fused_encoder_layer(tmp_path, run_dir) -> None:
+    """nantrace never hooks a module of the user's model on its own (the part calls of the first step, the
+    activation statistics of sampled steps): torch's TransformerEncoderLayer takes another path when it or a
+    sublayer is hooked, and an all-padding row is NaN on the fused path and 0 on the other. The logits of
+    every step, sampled or not, are bit for bit those of the same model unwatched."""
+    x = torch.randn(6, 5, 16, generator=torch.Generator().manual_seed(1))
+    pad = torch.zeros(6, 5, dtype=torch.bool)
+    pad[:, 3:] = True
+    plain_model = _FrozenTextProbe()
+    with torch.no_grad():
+        plain = plain_model(x, pad)
+    model = _FrozenTextProbe()
+    opt = torch.optim.SGD(model.probe.parameters(), lr=0.0)
+    guard = nantrace.watch(model, opt, run_dir=tmp_path if run_dir else None,
+                           config=quiet(activation_stats_every=1))
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            out = model(x, pad)
+            assert torch.equal(out.detach(), plain), step
+            out.sum().backward()
+            opt.step()
+    finally:
+        guard.close()

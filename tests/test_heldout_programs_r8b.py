@@ -86,28 +86,7 @@ CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
 DIVERGING: set[str] = set()
 XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
-_WHY = {
-    "vocab_extension_rows_mean_of_empty_pieces_written_through_data_adamw_decay":
-        "nantrace: no incident in the 5 steps (with 24 steps: step 16, kind/cause nonfinite_param, module emb, "
-        "'every parameter was read finite at step 0 and each update since was proven finite'); right: step 2, the "
-        "first step after the .data write. detection/param_provenance.py ParamProvenance.plan: a parameter is "
-        "re-read only when its _version or data_ptr changed, and an in-place write through p.data bumps neither "
-        "(.data is a fresh alias with its own version counter); the NaN rows are never read by the forward and "
-        "AdamW's decoupled decay keeps them out of the state, so nothing shows until the full read every "
-        "param_check_every (16) steps, while update_bounds 'proves' each update finite from a parameter bound "
-        "that no longer holds. (A documented trade-off in param_provenance's docstring; the incident's step is "
-        "wrong by 14 steps and its 'step 0' provenance is stale.)",
-    "amp_gradscaler_init_scale_zero_from_deepspeed_config":
-        "nantrace: the NaN update of step 0 lands (every weight NaN), then step 1: nonfinite_param, phase None, "
-        "'the update of step 0 left it finite, so it changed between steps' (false), action raised; right: step 0, "
-        "scaler_collapse (scale 0 < scaler_min_scale), the update blocked. detection/sentinel.py finish(): "
-        "'if staged.grads_scaled and scale_value and gn' skips the division when the scale is 0 (and "
-        "StagedHealth.unscaled_grad_norm64 treats s == 0 as 'no scale'), so the step is judged on the scaled "
-        "gradients (all 0, finite) and its update proven finite (response/update_bounds.py); GradScaler.step's "
-        "unscale_ then multiplies them by 1/0 = inf (0 * inf = NaN), and torch's found_inf check reads the scaled "
-        "values (finite), so the NaN update is applied. detection/scaler.py ScalerMonitor.update judges "
-        "scale < min_scale only on a skipped step, and this scaler never skips.",
-}
+_WHY: dict[str, str] = {}
 XFAIL.update({f"{name}[{mode}]": why for name, why in _WHY.items() for mode in MODES})
 SPIKE = ("loss_spike", "forward", None, None, None, "loss_divergence")
 GRAD = ("grad_explosion", "backward", None, None, None, "gradient_explosion")

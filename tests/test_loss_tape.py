@@ -216,3 +216,37 @@ def test_the_prelude_traces_a_value_made_before_the_forward_and_replays_without_
     # the bundle carries the prelude: replaying it names the same division on the same line
     again = nantrace.replay(incident.bundle, make())
     assert (again.kind, again.op, again.cause, again.source) == (incident.kind, incident.op, incident.cause, incident.source)
+
+
+def test_code_between_micro_batches_is_loss_code_and_code_after_the_last_backward_is_not():
+    """Under gradient accumulation the code between one micro-batch's backward() and the next forward
+    (a statistic of the last micro-batch handed to the next) is loss code: kept, in order, before the
+    next forward's calls. What runs after the step's last backward() (a long per-parameter loop over
+    the gradients, clipping) is the gradient tape's: dropped from the loss tape when the optimizer
+    steps, and a tape filled up by it alone is not marked truncated."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
+    try:
+        tape = guard.recorder.capture.tape
+        opt.zero_grad()
+        x1, x2 = torch.randn(4, 4), torch.randn(4, 4)
+        F.mse_loss(model(x1), torch.zeros(4, 1)).backward()
+        scale = x1.std(0, keepdim=True)  # between the micro-batches
+        out = model(x2 / scale)
+        assert guard.recorder.capture.forwards[1].tape_at == 4  # zeros, mse_loss, std, div came before it
+        F.mse_loss(out, torch.zeros(4, 1)).backward()
+        loss_calls = [getattr(e.func, "__name__", "?") for e in tape.entries]
+        assert loss_calls == ["zeros", "mse_loss", "std", "div", "zeros", "mse_loss"]
+        for _ in range(200):  # after the last backward: a hand-written gradient transform, longer than the tape
+            for p in model.parameters():
+                p.grad.mul_(1.0)
+        assert tape.truncated
+        seen: list[tuple[list[str], bool]] = []
+        opt.register_step_pre_hook(  # after the guard's own pre-hook, before the step ends and the tape resets
+            lambda *_: seen.append(([getattr(e.func, "__name__", "?") for e in tape.entries], tape.truncated)))
+        opt.step()
+        assert seen == [(loss_calls, False)]
+    finally:
+        guard.close()

@@ -257,7 +257,7 @@ class Guard:
 
     # ------------------------------------------------------------ the optimizer's step
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
-        self.recorder.pause_tape()
+        self.recorder.end_step_code()
         if self._pending_exception is not None:  # the user caught a failure of this step and went on
             self.diagnose_exception(self._pending_exception)
         if self.closed:

@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .capture import AutocastState, RngState
+from .detection.param_provenance import WATCHED_DATA, data_touched
 from .localisation.tracer import user_source
 
 MAX_ENTRIES = 256
@@ -69,9 +70,11 @@ replayed tensor and its code runs in the replay's backward, as it ran in the rea
 _STOPS = frozenset({"backward"})
 _PLAIN = frozenset({int, float, bool, str, complex, torch.dtype, torch.device})
 _GRAD = torch._C.TensorBase.grad
-_HANDLES = (_GRAD, torch._C.TensorBase.data)
+_DATA = torch._C.TensorBase.data
+_HANDLES = (_GRAD, _DATA)
 """Attributes that hand out a tensor that already exists (a gradient, the storage itself): reading
-them makes nothing a replay could redo, writing them is a side effect; neither is taped."""
+them makes nothing a replay could redo, writing them is a side effect; neither is taped. A ``.data``
+taken or assigned of a watched parameter is told to its provenance (:func:`_data_access`)."""
 _SIDE_EFFECTS = frozenset({"__set__", "__delete__"})
 """Attribute writes (``p.grad = None``, ``t.data = ...``): effects on the objects themselves, which
 a replay must not repeat; never taped."""
@@ -134,6 +137,15 @@ def tensors_of(out: Any) -> list[torch.Tensor]:
     if isinstance(out, (tuple, list)):
         return [t for t in out if isinstance(t, torch.Tensor)]
     return []
+
+
+_interpreter_stack = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+
+
+def in_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``: per-sample gradients in DP-SGD) is running:
+    its tensors are wrapped for the transform and must not outlive it (nothing of nantrace keeps them)."""
+    return _interpreter_stack is not None and _interpreter_stack() is not None
 
 
 class _Untaped:
@@ -238,15 +250,16 @@ class LossTape(TorchFunctionMode):
         self.on_exception: Callable[[BaseException], None] | None = None
 
     # ------------------------------------------------------------------ the mode stack
-    def resume(self) -> None:
+    def resume(self, *, lazy: bool = False) -> None:
         """Start (or go on) recording: the watched model's forward has just returned (the prelude:
-        the step has ended)."""
+        the step has ended). ``lazy``: the RNG and autocast mark is taken at the first call kept, not now
+        (a window that usually keeps no call: the code after a ``backward()``)."""
         if not self._pushed:
             # Not "is it on the stack?": inside another mode's handler (backward() called in the loss
             # code) torch has taken the modes off the stack for the call and puts them back after it.
             torch._C._push_on_torch_function_stack(self)
             self._pushed = True
-        if self.prelude:
+        if self.prelude or lazy:
             self._mark_due = True  # taken at the first call kept: most steps keep none before their forward
         elif not self.gradients:
             self._mark()
@@ -318,12 +331,22 @@ class LossTape(TorchFunctionMode):
     # ------------------------------------------------------------------ recording
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self._recording or _Untaped.depth or torch.compiler.is_compiling():
-            # a torch.compile'd loss function is traced by dynamo, not taped (its calls run fused, in the graph)
+        if torch.compiler.is_compiling() or in_transform():
+            # a torch.compile'd loss function is traced by dynamo, not taped (its calls run fused, in the graph);
+            # tested first, so that dynamo, which traces this mode too, reads none of the tape's tables. Calls
+            # inside a torch.func transform work on its wrapped tensors, which a replay outside it cannot use:
+            # what comes out of it (per-sample gradients) enters the tape as the real values
+            return func(*args, **kwargs)
+        if not self._recording or _Untaped.depth:
+            # a tape left on the stack while it does not record (a prelude that stopped) still sees .data
+            if WATCHED_DATA and getattr(func, "__self__", None) is _DATA and not _Untaped.depth:
+                return _data_access(func, args, kwargs)
             return func(*args, **kwargs)
         handle = getattr(func, "__self__", None)
         if handle in _HANDLES:  # p.grad / t.data read or written (zero_grad, clipping, EMA)
-            if not (self.gradients and handle is _GRAD):
+            if handle is _DATA:
+                return _data_access(func, args, kwargs)
+            if not self.gradients:
                 return func(*args, **kwargs)
             return self._gradient_access(func, args, kwargs)
         name = _name(func)
@@ -480,6 +503,19 @@ class LossTape(TorchFunctionMode):
             if ref not in self.losses:
                 self.losses.append(ref)
 
+    def keep_first(self, n: int) -> None:
+        """Forget the calls after the first ``n`` (the code that ran after the step's last ``backward()``
+        is the gradient tape's, not the loss code's), with their RNG marks and a failure among them."""
+        if len(self.entries) <= n and not (self.truncated and n < self.limit):
+            return
+        del self.entries[n:]
+        if n < self.limit:  # the calls up to n were all kept: only the window after them filled the tape
+            self.truncated = False
+        self.rng_marks = [m for m in self.rng_marks if m[0] < n]
+        if self.failed is not None and self.failed[0] >= n:
+            self.failed = None
+        self._mark_due = False
+
     def naming_outputs(self, forwards: Sequence[Any]) -> "LossTape":
         """A copy of the tape whose calls name the model's outputs (the logits, often the largest
         tensors of a step) by position instead of holding them: a replay feeds it the replayed
@@ -502,6 +538,16 @@ class LossTape(TorchFunctionMode):
         if self.prelude or self.gradients:
             return bool(self.entries) and not self.truncated
         return bool(self.entries) and not self.truncated and (self.loss is not None or self.failed is not None)
+
+
+def _data_access(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``t.data`` read or assigned while a tape is on the mode stack: done, and, when ``t`` is a watched
+    parameter, told to its provenance with the alias handed out (a write into that alias leaves no mark
+    on the parameter itself: :mod:`nantrace.detection.param_provenance`)."""
+    out = func(*args, **kwargs)
+    if WATCHED_DATA and args and isinstance(args[0], torch.Tensor):
+        data_touched(args[0], out if _name(func) == "__get__" and isinstance(out, torch.Tensor) else None)
+    return out
 
 
 def _name_outputs(obj: Any, positions: dict[int, OutputRef], depth: int = 0) -> Any:

@@ -30,7 +30,8 @@ from torch import nn
 
 from .capture import AutocastState, BufferPlan, CallRecord, ForwardRecord, RngState, StepCapture, floating_tensors
 from .localisation.tracer import user_source
-from .loss_tape import GRADIENT_ENTRIES, PRELUDE_ENTRIES, LossTape, untaped
+from .loss_tape import GRADIENT_ENTRIES, PRELUDE_ENTRIES, LossTape, in_transform, untaped
+from .module_hooks import hook_changes_numerics
 from .watched import Watched
 
 __all__ = ["StepRecorder"]
@@ -99,6 +100,7 @@ class StepRecorder:
         self._resume: list[LossTape] = []
         self._depth = 0  # forwards of the model or its parts running now
         self._parts_used = False  # a part was called from outside the model's forward in this step
+        self._loss_end: int | None = None  # the loss tape's length when the step's last backward() began
         if self.tape is not None:
             self.tape.reset()
         if self.prelude is not None:
@@ -148,10 +150,14 @@ class StepRecorder:
 
     # ------------------------------------------------------------ the model's forward
     def forward_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if in_transform():
+            return
         self._depth += 1
         self._begin(args, kwargs, "")
 
     def forward_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if in_transform():
+            return
         self._depth = max(self._depth - 1, 0)
         self._end(output)
 
@@ -160,7 +166,7 @@ class StepRecorder:
         no forward of the model or of another part is running, i.e. when the step's code called it
         directly (``model.query_encoder(q)`` in a ``compute_loss``, ``self.encoder(x)`` in a
         ``training_step``, ``model.encode(x)`` calling its encoder)."""
-        if _in_backward():  # a checkpointed part recomputed by the backward: not a call of the step's code
+        if _in_backward() or in_transform():  # a checkpointed part recomputed by the backward; a torch.func transform's call
             return
         self._depth += 1
         if self._depth == 1:
@@ -168,7 +174,7 @@ class StepRecorder:
             self._begin(args, kwargs, path)
 
     def part_post(self, path: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if _in_backward():
+        if _in_backward() or in_transform():
             return
         self._depth = max(self._depth - 1, 0)
         if self._depth == 0:
@@ -307,6 +313,18 @@ class StepRecorder:
         if tape is not None and not self.watched.closed:
             tape.reset()
             tape.resume()
+        if self.tape is not None and not self.watched.closed:
+            # Under gradient accumulation the next micro-batch's code runs from here to its forward (a
+            # statistic of the last micro-batch, a temperature passed in): the loss tape keeps it, in order.
+            # What follows the last backward() instead is dropped when the optimizer steps (end_step_code).
+            self.tape.resume(lazy=True)
+
+    def end_step_code(self) -> None:
+        """The optimizer steps: the step's code has ended. The tapes pause, and the loss tape forgets the
+        calls made after the last ``backward()`` (clipping, logging: the gradient tape's)."""
+        self.pause_tape()
+        if self.tape is not None and self._loss_end is not None:
+            self.tape.keep_first(self._loss_end)
 
     def _reaches_model(self, loss: torch.Tensor) -> bool:
         """Whether ``loss``'s graph reaches a parameter of the watched model. With several guards
@@ -331,6 +349,7 @@ class StepRecorder:
         if self.tape is not None:
             self.tape.note_loss(loss)
             self.tape.pause()
+            self._loss_end = len(self.tape.entries)
         if self.watched.config.detection.check_loss and not self.watched.replaying:
             self.capture.losses.append(loss.detach())
 
@@ -391,8 +410,10 @@ _MAX_PARTS = 512
 def _callable_parts(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """(path, module) of the parts of ``root`` that a script calls on their own: the direct children
     that are not containers, and every member of a ``ModuleList``/``ModuleDict`` anywhere below
-    ``root`` (``model.encoder.layers[i]``), shallowest first."""
+    ``root`` (``model.encoder.layers[i]``), shallowest first; never a module that a hook would move off
+    a fused path (:mod:`nantrace.module_hooks`)."""
     parts: list[tuple[str, nn.Module]] = []
+    untouchable = hook_changes_numerics(root)  # a hook there would change what the user's step computes
     level: list[tuple[str, nn.Module]] = [("", root)]
     while level and len(parts) < _MAX_PARTS:
         below: list[tuple[str, nn.Module]] = []
@@ -400,7 +421,8 @@ def _callable_parts(root: nn.Module) -> list[tuple[str, nn.Module]]:
             container = isinstance(module, (nn.ModuleList, nn.ModuleDict))
             for name, child in module.named_children():
                 path = f"{prefix}.{name}" if prefix else name
-                if (container or module is root) and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                if (container or module is root) and not isinstance(child, (nn.ModuleList, nn.ModuleDict)) \
+                        and id(child) not in untouchable:
                     parts.append((path, child))
                 below.append((path, child))
         level = below

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
 
 from ..capture import floating_tensors
 from ..loss_tape import untaped
@@ -76,6 +77,7 @@ class ActivationMonitor(SafeMonitor):
         self.latest: ActivationFigures | None = None
         self._modules: list[nn.Module] = []
         self._handles: list[Any] = []
+        self._index: dict[int, int] = {}
         self._stats: dict[int, list[torch.Tensor]] = {}
         self._pending: tuple[int, list[int], DeferredRead] | None = None
 
@@ -97,25 +99,27 @@ class ActivationMonitor(SafeMonitor):
             self._install()
 
     def _install(self) -> None:
+        """Hook every module's output for this step: one process-wide forward hook that keeps the calls of
+        the model's own modules (by identity), not a hook on each module. A hook on a module changes what
+        some modules compute: torch's ``TransformerEncoderLayer`` leaves its fused inference path when it or
+        any of its sublayers carries one (an all-padding row is NaN on one path and 0 on the other)."""
         if self._handles:
             return
         self._stats = {}
-        for i, module in enumerate(self._modules):
-            self._handles.append(module.register_forward_hook(self._make_hook(i)))
+        self._index = {id(m): i for i, m in enumerate(self._modules)}
+        self._handles.append(register_module_forward_hook(self._hook))
 
-    def _make_hook(self, index: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled():
-                return
-            watched = self._watched
-            if watched is None or watched.replaying:
-                return
-            with untaped(), torch.no_grad():
-                stats = output_stats(floating_tensors(output))
-            if stats is not None:
-                self._stats.setdefault(index, []).append(stats)
-
-        return hook
+    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        index = self._index.get(id(module))
+        if index is None or self._modules[index] is not module or not torch.is_grad_enabled():
+            return
+        watched = self._watched
+        if watched is None or watched.replaying:
+            return
+        with untaped(), torch.no_grad():
+            stats = output_stats(floating_tensors(output))
+        if stats is not None:
+            self._stats.setdefault(index, []).append(stats)
 
     def _uninstall(self) -> None:
         for handle in self._handles:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..loss_tape import untaped
+from ..loss_tape import in_transform, untaped
 from ._common import SafeMonitor, is_sampled
 from ._readback import DeferredRead
 from .base import Signal, StepContext
@@ -124,8 +124,8 @@ class LogitSaturationMonitor(SafeMonitor):
             self._handle = None
 
     def _hook(self, module: Any, args: Any, output: Any) -> None:
-        if self._captured is not None or not torch.is_grad_enabled():
-            return
+        if self._captured is not None or not torch.is_grad_enabled() or in_transform():
+            return  # under a torch.func transform the logits are wrapped tensors that must not escape it
         watched = self._watched
         if watched is None or watched.replaying:
             return
