@@ -54,10 +54,12 @@ def minimal() -> nantrace.Config:
 
 
 @pytest.mark.parametrize("every, per_step", [
-    (1, lambda n: [2 * n]),   # every gradient and parameter in one call; the totals are taken on the host
-    (16, lambda n: [n]),      # parameters known finite from their provenance: the gradients alone
+    (1, lambda n: [2 * n + 1]),   # every gradient and parameter, and the model's input, in one call
+    (16, lambda n: [n + 1]),      # parameters known finite from their provenance: the gradients and the input
 ])
 def test_one_foreach_norm_covers_gradients_and_parameters(monkeypatch, minimal, one_thread, every, per_step):
+    """The step's one pass: the gradients', the parameters' and the model inputs' norms in one call (the
+    totals are taken on the host); the forward hooks run no kernel on the inputs."""
     model, opt = _model()
     n = len(list(model.parameters()))
     calls: list[int] = []
@@ -123,14 +125,47 @@ def test_a_healthy_step_runs_no_finiteness_kernel(monkeypatch, minimal, one_thre
             real = getattr(torch, name)
             monkeypatch.setattr(torch, name, lambda *a, _real=real, _name=name, **k: counts.__setitem__(
                 _name, counts[_name] + 1) or _real(*a, **k))
-        model(x)  # one forward: one input, one output
+        model(x)  # one forward: one input (kept for the step's own pass), one output (its extremes)
         capture = guard.recorder.capture
-        assert counts == {"aminmax": 2, "isfinite": 0}  # the hooks keep extremes, no flag arithmetic
-        assert len(capture.input_extremes) == 2 and len(capture.output_extremes) == 2
+        assert counts == {"aminmax": 1, "isfinite": 0}  # no flag arithmetic; the input waits for the check
+        assert len(capture.output_extremes) == 2
+        assert len(capture.input_extremes) == 2 and counts["aminmax"] == 2  # reduced where a caller asks
         guard.recorder.reset()
-        _step(model, opt, x, y)  # a whole step: the extremes are judged on the host after the one read
-        assert counts == {"aminmax": 4, "isfinite": 0}
+        _step(model, opt, x, y)  # a whole step: the input's norm in the gradients' pass, judged on the host
+        assert counts == {"aminmax": 3, "isfinite": 0}
         assert guard.last_step is not None and not guard.incidents
+
+
+@pytest.mark.parametrize("kind", ["nan", "posinf", "neginf_mask", "huge"])
+def test_inputs_judged_by_their_norm_in_the_step_pass(minimal, one_thread, kind):
+    """The model's input is judged from its norm, taken in the gradients' pass: a finite norm settles it;
+    any other is judged exactly by its extremes: a NaN or +inf input is non-finite, an additive ``-inf``
+    mask and a finite input beyond float32's squares are not (and after such a valid input later steps
+    take the inputs' extremes as each forward begins, so that no step reads twice)."""
+    model, opt = _model()
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    bad = x.clone()
+    value = {"nan": math.nan, "posinf": math.inf, "neginf_mask": -math.inf, "huge": 3e38}[kind]
+    bad[1, 2] = value
+    if kind == "huge":
+        bad[2, 3] = 3e38
+    guard = nantrace.watch(model, opt, config=minimal)
+    recorder = _Recorder()
+    guard.add_monitor(recorder)
+    try:
+        _step(model, opt, x, y)
+        policy = guard.recorder.capture.input_policy
+        assert not policy.extremes_now
+        opt.zero_grad()
+        out = model(bad)
+        loss = torch.nn.functional.mse_loss(torch.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0), y)
+        loss.backward()
+        opt.step()
+        finite_input = kind in ("neginf_mask", "huge")
+        assert recorder.contexts[-1].health.inputs_finite is finite_input
+        assert policy.extremes_now is finite_input  # a valid input whose norm is not finite: extremes from now on
+    finally:
+        guard.close()
 
 
 def _health(x: torch.Tensor, out: torch.Tensor):

@@ -133,6 +133,17 @@ class CallRecord:
     loss: torch.Tensor | None = None
 
 
+class InputPolicy:
+    """How a recorder's captures reduce the model's inputs: their norms, in the step check's own pass
+    (the default), or their extremes as each forward begins (``extremes_now``: set for good by the check
+    the first time an input's norm was not finite and its extremes were, an additive ``-inf`` mask)."""
+
+    __slots__ = ("extremes_now",)
+
+    def __init__(self) -> None:
+        self.extremes_now = False
+
+
 class StepCapture:
     """Everything the guard gathered between two optimizer steps.
 
@@ -143,8 +154,8 @@ class StepCapture:
     :attr:`inputs_ok` / :attr:`outputs_ok` form a device flag on demand (bundle, localiser).
     """
 
-    __slots__ = ("losses", "forwards", "calls", "input_extremes", "output_extremes", "inputs_flag", "outputs_flag",
-                 "local_grads_ok", "tape", "prelude", "gradient_tape")
+    __slots__ = ("losses", "forwards", "calls", "_input_extremes", "_pending_inputs", "output_extremes", "inputs_flag",
+                 "outputs_flag", "local_grads_ok", "tape", "prelude", "gradient_tape", "input_policy")
 
     def __init__(self, losses: list[torch.Tensor] | None = None, forwards: list[ForwardRecord] | None = None,
                  calls: list[CallRecord] | None = None, inputs_ok: torch.Tensor | None = None,
@@ -153,9 +164,10 @@ class StepCapture:
         self.losses: list[torch.Tensor] = [] if losses is None else losses
         self.forwards: list[ForwardRecord] = [] if forwards is None else forwards
         self.calls: list[CallRecord] = [] if calls is None else calls
-        self.input_extremes: list[torch.Tensor] = []
-        """Minimum and maximum of every floating model input, in pairs: float32/16/bf16 as they are
-        (NaN/Inf propagate into them), other dtypes as 0.0/NaN in float32 (finiteness only)."""
+        self._input_extremes: list[torch.Tensor] = []
+        self._pending_inputs: list[tuple[torch.Tensor, int]] = []  # (input, its version when the forward began)
+        self.input_policy = InputPolicy()
+        """How the inputs are reduced (shared by a recorder's captures: what one step learned holds for the next)."""
         self.output_extremes: list[torch.Tensor] = []
         """The same for the model's floating outputs."""
         self.inputs_flag: torch.Tensor | None = inputs_ok
@@ -172,8 +184,35 @@ class StepCapture:
         :class:`~nantrace.loss_tape.LossTape`)."""
 
     def note_inputs(self, tensors: list[torch.Tensor]) -> None:
-        """Keep the extremes of the forward's floating inputs (one ``aminmax`` each, no sync)."""
-        _extend_extremes(self.input_extremes, tensors)
+        """Keep the forward's floating inputs to be judged by the step's check: no kernel here. The check
+        of one process on the CPU takes their norms in the same pass as the gradients' (a finite norm: a
+        finite input; any other, judged exactly), any other check their extremes (:attr:`input_extremes`).
+        An input written in place after the forward began (its version moved) is not judged. Once a run's
+        inputs held ``-inf`` (an additive mask: its norm is never finite), they are reduced to extremes here,
+        as the forward begins, so that no step needs a second read to judge them."""
+        if self.input_policy.extremes_now:
+            _extend_extremes(self._input_extremes, tensors)
+            return
+        self._pending_inputs.extend((t, t._version) for t in tensors if t.numel())
+
+    def take_inputs(self) -> list[torch.Tensor]:
+        """The noted inputs not yet reduced and still as the forward received them (for the check that
+        judges them itself: :func:`nantrace.detection.sentinel.stage`'s ``input_tensors``)."""
+        pending, self._pending_inputs = self._pending_inputs, []
+        return [t for t, version in pending if t._version == version]
+
+    @property
+    def input_extremes(self) -> list[torch.Tensor]:
+        """Minimum and maximum of every floating model input, in pairs: float32/16/bf16 as they are
+        (NaN/Inf propagate into them), other dtypes as 0.0/NaN in float32 (finiteness only); the noted
+        inputs are reduced here, at the first ask (one ``aminmax`` each, no sync)."""
+        if self._pending_inputs:
+            _extend_extremes(self._input_extremes, self.take_inputs())
+        return self._input_extremes
+
+    @input_extremes.setter
+    def input_extremes(self, extremes: list[torch.Tensor]) -> None:
+        self._input_extremes, self._pending_inputs = extremes, []
 
     def note_outputs(self, tensors: list[torch.Tensor]) -> None:
         """Keep the extremes of the forward's floating outputs (one ``aminmax`` each, no sync)."""
@@ -219,7 +258,8 @@ class StepCapture:
         out = StepCapture(losses=self.losses, forwards=forwards, calls=calls, inputs_ok=self.inputs_flag,
                           outputs_ok=self.outputs_flag, local_grads_ok=self.local_grads_ok, tape=self.tape,
                           prelude=self.prelude, gradient_tape=self.gradient_tape)
-        out.input_extremes, out.output_extremes = self.input_extremes, self.output_extremes
+        out.input_extremes, out.output_extremes = self.input_extremes, self.output_extremes  # the inputs reduced first
+        out.input_policy = self.input_policy
         return out
 
 

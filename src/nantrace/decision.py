@@ -115,12 +115,15 @@ class StepJudge:
         grads, grad_index = self.gradients(watched.params)
         which = self.provenance.plan() if cfg.check_params else None
         params = watched.params if which is None else [watched.params[i] for i in which]
+        inputs = capture.take_inputs()  # judged in the step's own pass (stage reduces them where it cannot)
         staged = stage(
             grads=grads,
             params=params if cfg.check_params else [],
             losses=capture.losses or [c.loss for c in capture.calls if c.loss is not None],
             inputs_ok=capture.inputs_flag,
             outputs_ok=capture.outputs_flag,
+            input_tensors=inputs,
+            input_policy=capture.input_policy,
             input_extremes=capture.input_extremes,
             output_extremes=capture.output_extremes,
             local_grads_ok=capture.local_grads_ok,

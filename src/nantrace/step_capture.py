@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from .capture import AutocastState, BufferPlan, CallRecord, ForwardRecord, RngState, StepCapture, floating_tensors
+from .capture import (AutocastState, BufferPlan, CallRecord, ForwardRecord, InputPolicy, RngState, StepCapture,
+                      floating_tensors)
 from .localisation.tracer import user_source
 from .loss_tape import GRADIENT_ENTRIES, PRELUDE_ENTRIES, LossTape, in_transform, untaped
 from .module_hooks import hook_changes_numerics
@@ -86,6 +87,7 @@ class StepRecorder:
                 self.tape.earlier = self.prelude  # a tensor the prelude read and the loss code then writes
         _RECORDERS.add(self)
         self._backward_end = _BackwardEnd(self)
+        self._input_policy = InputPolicy()
         self.capture = self._new_capture()
         """What has been captured of the step in progress."""
 
@@ -107,7 +109,9 @@ class StepRecorder:
             self.prelude.reset()
         if self.gradient_tape is not None:
             self.gradient_tape.reset()
-        return StepCapture(tape=self.tape, prelude=self.prelude, gradient_tape=self.gradient_tape)
+        capture = StepCapture(tape=self.tape, prelude=self.prelude, gradient_tape=self.gradient_tape)
+        capture.input_policy = self._input_policy
+        return capture
 
     def reset(self) -> None:
         """Start the next step's capture."""

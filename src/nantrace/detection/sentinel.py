@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..capture import extremes_ok, extremes_ok_on_host
+from ..capture import _EXACT_IN_FLOAT32, _extend_extremes, extremes_ok, extremes_ok_on_host
 from .scaler import unusable_scale
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
@@ -162,8 +162,15 @@ class StagedHealth:
     """The totals (``vector[1:3]``) are NaN placeholders: :func:`finish` forms them on the host from
     the per-tensor norms (:func:`stage` with ``host_totals``). Device-side callers never ask for it."""
     squared: tuple[int, ...] = ()
-    """Indices into the per-tensor values (gradients, then parameters) that are sums of squares,
-    not norms (a ``dot`` whose root is taken on the host)."""
+    """Indices into the per-tensor values (gradients, then parameters, then inputs) that are sums of
+    squares, not norms (a ``dot`` whose root is taken on the host)."""
+    inputs: tuple[torch.Tensor, ...] = ()
+    """Model inputs whose norms follow the per-parameter ones (host path only): a finite norm is a
+    finite input; :func:`finish` judges a non-finite one by its extremes (an additive mask's ``-inf``
+    is a valid input, a finite input can overflow a float32 sum of squares)."""
+    input_policy: Any = None
+    """The recorder's :class:`~nantrace.capture.InputPolicy`: told when an input's norm was not finite
+    while its extremes were (an additive mask), so that later steps reduce the inputs to extremes."""
 
     @property
     def loss(self) -> torch.Tensor:
@@ -188,7 +195,7 @@ class StagedHealth:
         flags = self.vector[3:6]
         if not (self.n_input_extremes or self.n_output_extremes):
             return flags
-        start = 7 + len(self.grad_norms) + len(self.param_norms)
+        start = 7 + len(self.grad_norms) + len(self.param_norms) + len(self.inputs)
         values = self.vector[start:]
         n_in = self.n_input_extremes
         one = torch.ones((), dtype=torch.bool, device=flags.device)
@@ -226,6 +233,8 @@ def stage(
     output_extremes: Sequence[torch.Tensor] = (),
     accumulate: torch.dtype = torch.float32,
     host_totals: bool = False,
+    input_tensors: Sequence[torch.Tensor] = (),
+    input_policy: Any = None,
 ) -> StagedHealth:
     """Reduce the step's tensors to one device vector (no host read).
 
@@ -244,6 +253,10 @@ def stage(
     ``host_totals`` (a caller that reads the vector at once and needs nothing of it on the device:
     one process on the CPU): the totals are left to :func:`finish` and the large tensors' roots too,
     so the step's vector is one stack: on a CPU each kernel is a call of several microseconds.
+
+    ``input_tensors``: model inputs not yet reduced (``StepCapture.take_inputs``). The host path takes
+    their norms with the gradients' (a finite norm is a finite input; :func:`finish` judges any other
+    exactly); any other path reduces them to extremes here.
     """
     device = _pick_device(grads, params, losses)
     nan, one = _constants(device)
@@ -251,7 +264,12 @@ def stage(
     if host_totals and not exact and device.type == "cpu":
         return _stage_for_host(grads=grads, params=params, losses=losses, inputs_ok=inputs_ok, outputs_ok=outputs_ok,
                                local_grads_ok=local_grads_ok, scale=scale, grads_scaled=grads_scaled,
-                               input_extremes=input_extremes, output_extremes=output_extremes, device=device)
+                               input_extremes=input_extremes, output_extremes=output_extremes, device=device,
+                               inputs=input_tensors, input_policy=input_policy)
+    if input_tensors:
+        reduced: list[torch.Tensor] = list(input_extremes)
+        _extend_extremes(reduced, list(input_tensors))
+        input_extremes = reduced
     dtype = torch.float64 if exact else torch.float32
     ng = len(grads)
     norms = _norms([*grads, *params], dtype)
@@ -281,12 +299,14 @@ def _stage_for_host(*, grads: Sequence[torch.Tensor], params: Sequence[torch.Ten
                     inputs_ok: torch.Tensor | None, outputs_ok: torch.Tensor | None,
                     local_grads_ok: torch.Tensor | None, scale: torch.Tensor | None, grads_scaled: bool,
                     input_extremes: Sequence[torch.Tensor], output_extremes: Sequence[torch.Tensor],
-                    device: torch.device) -> StagedHealth:
+                    device: torch.device, inputs: Sequence[torch.Tensor] = (), input_policy: Any = None) -> StagedHealth:
     """:func:`stage` for a vector read at once on the CPU: the per-tensor values (``dot`` sums of
     squares for the large tensors, one ``_foreach_norm`` for the rest) and the head in one stack;
-    the roots and the totals are taken by :func:`finish` on the host (float64 there)."""
+    the roots and the totals are taken by :func:`finish` on the host (float64 there). The model's
+    ``inputs`` come last among the per-tensor values, reduced in the same pass (no kernel of their own)."""
     nan, one = _constants(device)
-    tensors = [*grads, *params]
+    inputs = [t if t.dtype in _EXACT_IN_FLOAT32 else t.float() for t in inputs if t.device == device]
+    tensors = [*grads, *params, *inputs]
     if any(map(hasattr, tensors, repeat("to_local"))):
         tensors = [local(t) for t in tensors]
     squared: list[int] = []
@@ -306,10 +326,10 @@ def _stage_for_host(*, grads: Sequence[torch.Tensor], params: Sequence[torch.Ten
     vec = torch.stack([*head, *values, *input_extremes, *output_extremes])
     if vec.dtype != torch.float32:
         vec = vec.to(torch.float32)
-    ng = len(grads)
-    return StagedHealth(vec, grads, params, bool(losses), grads_scaled, values[:ng], values[ng:],
+    ng, nw = len(grads), len(grads) + len(params)
+    return StagedHealth(vec, grads, params, bool(losses), grads_scaled, values[:ng], values[ng:nw],
                         n_input_extremes=len(input_extremes), n_output_extremes=len(output_extremes),
-                        host_totals=True, squared=tuple(squared))
+                        host_totals=True, squared=tuple(squared), inputs=tuple(inputs), input_policy=input_policy)
 
 
 def _squares_and_norms(tensors: Sequence[torch.Tensor], large: list[int]) -> list[torch.Tensor]:
@@ -356,12 +376,16 @@ def finish(staged: StagedHealth, host: list[float]) -> StepHealth:
     grad_norms = host[7 : 7 + len(gn)]
     param_norms = host[7 + len(gn) : end]
     if staged.host_totals:
+        nw = len(gn) + len(pn)
         for i in staged.squared:  # sums of squares (never negative): the root of NaN is NaN, of inf inf
             if i < len(gn):
                 grad_norms[i] = math.sqrt(grad_norms[i])
-            else:
+            elif i < nw:
                 param_norms[i - len(gn)] = math.sqrt(param_norms[i - len(gn)])
         gnorm, pnorm = _total(grad_norms), _total(param_norms)
+    if staged.inputs:  # the model's inputs, by their norms (the roots of sums of squares alike)
+        in_ok = in_ok and _inputs_finite(staged.inputs, host[end : end + len(staged.inputs)], staged.input_policy)
+        end += len(staged.inputs)
     if staged.n_input_extremes or staged.n_output_extremes:  # the model's inputs and outputs, judged here
         mid = end + staged.n_input_extremes
         in_ok = in_ok and extremes_ok_on_host(host[end:mid])
@@ -423,6 +447,23 @@ def measure(
     staged = stage(grads=grads, params=params, losses=losses, inputs_ok=inputs_ok, outputs_ok=outputs_ok,
                    local_grads_ok=local_grads_ok, scale=scale, grads_scaled=grads_scaled)
     return finish(staged, read(staged)[0])
+
+
+def _inputs_finite(inputs: Sequence[torch.Tensor], norms: list[float], policy: Any) -> bool:
+    """Whether every model input is finite or ``-inf`` (an additive mask), from its norm (or sum of
+    squares): a finite one settles it; any other is judged exactly by its extremes (``aminmax``, a second
+    read: the step with a non-finite input, or the first with an input holding ``-inf``, after which the
+    ``policy`` has later steps reduce the inputs to extremes as each forward begins)."""
+    ok = True
+    for t, norm in zip(inputs, norms):
+        if not math.isfinite(norm):
+            lo, hi = torch.aminmax(t.detach())
+            if extremes_ok_on_host([float(lo), float(hi)]):
+                if policy is not None:
+                    policy.extremes_now = True
+            else:
+                ok = False
+    return ok
 
 
 def _exactly_finite(tensors: Sequence[torch.Tensor]) -> bool:
