@@ -144,10 +144,6 @@ def test_a_backward_stopped_by_anomaly_mode_is_localised_in_the_backward(name: s
     assert "backward() stopped with RuntimeError" in first.summary
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the replay's backward runs the user's parameter hooks too, which raise again: the localiser takes a replay "
-    "that raises for one that could not be replayed (localiser: not_replayable), where a replay that raised the "
-    "real step's own exception has reproduced it up to the failure and its op records are the evidence"))
 def test_a_gradient_hook_refusing_nan_is_localised_like_anomaly_mode() -> None:
     incidents, raised, _ = _anomaly_loop(Siamese(), _contrastive, _siamese_batch, anomaly=False)
     # without anomaly mode and without a hook the step does not raise: the guard's own check blocks it

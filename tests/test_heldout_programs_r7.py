@@ -1257,7 +1257,6 @@ def _street_count_first() -> Program:
 
 
 # ======================================================================= where nantrace is wrong
-_BOTH = ("zero_intrusive", "replayable")
 _WHY: dict[str, tuple[tuple[str, ...], str]] = {
     "multitask_hook_rescales_aux_gradient_by_loss_ratio_over_zero": (("zero_intrusive",),
         "nantrace: phase backward, op aten.mul.Tensor at the hook's line, cause inf_arithmetic (details: "
@@ -1265,27 +1264,8 @@ _WHY: dict[str, tuple[tuple[str, ...], str]] = {
         "says). The taped hook (a lambda) is registered again on the replayed tensor, but its closure still holds the "
         "REAL step's ratio (inf): the tracer sees an infinity entering from outside the replay, takes it for an "
         "intentional one, and names the multiplication instead of the replayed division that made it."),
-    "accumulation_lagged_standardiser_constant_sensor_in_first_micro_batch": (("zero_intrusive",),
-        "nantrace: phase data, op None, cause nonfinite_input ('the batch itself carries Inf'); right: aten.div.Tensor "
-        "at lagged_std (the second micro-batch's loss code), module None, zero_variance_norm. The division runs after "
-        "the first micro-batch's backward() and before the second forward: the loss tape is paused at backward() "
-        "(StepRecorder.record_loss) and only the gradient tape records that window, while "
-        "localiser._made_before_forward looks for the op that made a bad model input only in the prelude."),
-    "accumulation_temperature_from_first_micro_batch_repeated_record": (_BOTH,
-        "nantrace: cause div_by_zero ('4 zeros in the denominator'); right: zero_variance_norm, the divisor being the "
-        "std of the first micro-batch's constant logits (docs/diagnosis.md's provenance rule), computed by the loss "
-        "code and passed to the second forward. localiser._localise replays each recorded unit with a fresh OpTracer "
-        "and the second forward's temperature as a plain argument, so family_rules._div_rule's _statistic finds no "
-        "producer of the divisor (made by the loss tape in zero-intrusive mode, by the first call's replay in "
-        "replayable mode)."),
 }
 XFAIL.update({f"{name}[{mode}]": why for name, (modes, why) in _WHY.items() for mode in modes})
-XFAIL["accumulation_lagged_standardiser_constant_sensor_in_first_micro_batch[replayable]"] = (
-    "nantrace: kind nonfinite_input, phase data, op None (as zero-intrusive mode). It said where_gradient_trap "
-    "before classify learned what absorbed the value (a saturating tanh is no where/mask: OpRecord.absorbed_by); what "
-    "is left is the zero-intrusive case's cause: the second micro-batch's argument was made by the loss code between "
-    "the first micro-batch's backward() and the second forward, which no tape keeps (the loss tape pauses at "
-    "backward(), the gradient tape does not reach the next forward), so the input looks like the batch's.")
 XFAIL["partial_labels_hook_on_model_output_normalises_zero_gradient[zero_intrusive]"] = XFAIL[
     "partial_labels_hook_on_model_output_normalises_zero_gradient[replayable]"] = (
     "nantrace: module '2' (the Linear whose output is hooked), else right; expected None: the hook is the loss code's, "

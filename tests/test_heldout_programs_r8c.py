@@ -93,63 +93,7 @@ HERE = os.path.abspath(__file__)
 JUDGE = Judge(__file__)
 
 CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
-_FUSED_CAUSE = (
-    "classify._with_infinite_operands recognises a fully masked row only for SOFTMAX_OPS (it reads args[0] as the "
-    "scores); a fused attention op (_native_multi_head_attention, _transformer_encoder_layer_fwd) that receives the "
-    "-inf key mask (made by F._canonical_mask from the bool key_padding_mask) and returns NaN rows falls through to "
-    "inf_arithmetic. Fix: for fused attention ops, read the mask operand and call the bad rows masked_softmax_all "
-    "when their mask row is all -inf (as the slow path's _softmax is).")
-_FAST_PATH_REPLAY = (
-    "nantrace: kind nonfinite_loss, op None, module '', cause unknown, 'did not reproduce on an identical re-run: "
-    "a transient fault'. Right: aten._transformer_encoder_layer_fwd.default in encoder.layers.0 at probe_encoder, "
-    "masked_softmax_all. Why: localisation/modules.py ModuleStack.__enter__ registers a forward pre/post hook on "
-    "every submodule for the replay; TransformerEncoderLayer.forward refuses its fast path when any of its modules "
-    "has forward hooks ('forward pre-/hooks are attached to the module'), so the replay runs the slow path "
-    "(scaled_dot_product_attention returns zeros for a fully masked row), is finite, and localiser._not_reproduced "
-    "calls the step transient. Fix: track the running module with the global hooks "
-    "(nn.modules.module.register_module_forward_pre_hook/_hook, filtered by the root's modules), which torch's "
-    "fast-path checks do not see; with that (tried in /tmp) op, module and source are right and the cause is the "
-    "one of frozen_set_encoder_mha_fast_path_empty_basket: " + _FUSED_CAUSE)
-_FIRST_BATCH = (
-    "nantrace: no incident at all: under nantrace the program's step 0 is finite (without it, NaN). Why: "
-    "step_capture.StepRecorder.watch_parts/_hook_parts hooks, during the first step, the members of ModuleList "
-    "containers at any depth (encoder.layers.0 and .1); TransformerEncoderLayer.forward sees those hooks and takes "
-    "the slow path, whose fully masked row is zeros: nantrace changes what the user's step computes (every healthy "
-    "step-0 forward of such an encoder runs another kernel, and so does every step where the part hooks come back, "
-    "and, with a run_dir, every step dynamics/activations.py samples, since it hooks every module). Fix: no "
-    "per-module hooks on the model's submodules (global module hooks filtered by identity), so torch's hook-"
-    "sensitive fast paths run as without nantrace. Right: the step-3 case's diagnosis, at step 0.")
-_NESTED = (
-    "nantrace: op None, module '', cause unknown, 're-running the model raised NotImplementedError: Could not run "
-    "aten::aminmax with arguments from the NestedTensorCPU backend'. Right: aten.div.Tensor, module '', nested_pool, "
-    "div_by_zero. Why: localisation/tracer.py _all_finite/_nan_inf run torch.aminmax on every op output, including "
-    "the nested tensors TransformerEncoder's eval fast path makes (_nested_tensor_from_mask); the check raises, the "
-    "replay is abandoned (NotReplayable). Fix: check a nested output through its components (t.unbind(), or "
-    "t.values() for jagged) and treat readable() as true for it; tried in /tmp, both modes then give the right "
-    "diagnosis.")
-_FUNCTORCH = (
-    "nantrace broke the user's program: RuntimeError 'maybe_level.has_value() INTERNAL ASSERT FAILED' (functorch) "
-    "raised at step 0 from the optimizer pre-hook (guard._check_step -> detection/sentinel._stage_for_host: "
-    "torch.stack of the kept extremes); no incident. Why: the root model's forward hooks (step_capture.StepRecorder."
-    "forward_pre/_end -> StepCapture.note_inputs/note_outputs -> capture._extend_extremes) also run for the "
-    "functional_call inside vmap(grad(...)) and keep aminmax results of functorch-wrapped tensors (and a "
-    "ForwardRecord of wrapped args), which escape the transform. Fix: the recorder ignores forwards run under a "
-    "functorch transform (torch._C._functorch.peek_interpreter_stack() is not None). With that (tried in /tmp) the "
-    "next defect shows: the gradient tape keeps the 73 calls issued inside vmap, their replay outside the transform "
-    "fails ('Either your tensor may have escaped from inside a function being vmapped'), and localiser then calls "
-    "the step transient (_not_reproduced does not look at gradient_code.error; docs/diagnosis.md says gradient code "
-    "is never transient). Fix: the tapes pass calls made at a functorch level through untaped (the per-sample "
-    "gradients then enter the replay as the real, finite values they were) and a gradient-code replay error is "
-    "reported as such. Right: nonfinite_grad, backward, aten.div.Tensor, None, dp_factor, zero_variance_norm.")
-XFAIL: dict[str, str] = {
-    **{f"frozen_encoder_probe_fast_path_empty_text[{m}]": _FAST_PATH_REPLAY for m in MODES},
-    **{f"frozen_encoder_probe_fast_path_empty_text_first_batch[{m}]": _FIRST_BATCH for m in MODES},
-    **{f"frozen_set_encoder_mha_fast_path_empty_basket[{m}]": (
-        "nantrace: cause inf_arithmetic (op, module, source right). Right: masked_softmax_all, as for the same "
-        "attention on its slow path. " + _FUSED_CAUSE) for m in MODES},
-    **{f"frozen_encoder_nested_tensor_path_empty_text_mean_pool[{m}]": _NESTED for m in MODES},
-    **{f"dp_sgd_vmap_per_sample_clip_padded_last_batch[{m}]": _FUNCTORCH for m in MODES},
-}
+XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 RAISES = {"bce_module_sigmoid_plus_eps_probability_above_one": "all elements of input should be between 0 and 1"}
 """Cases that raise on finite values: the message of the op's own check (checked in the construction)."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..localisation.attention import masked_rows
 from ..localisation.origin import Origin
 from ..localisation.tracer import OpInfo, OpRecord, tensor_stats
 from . import evidence as ev
@@ -131,6 +132,9 @@ def _forward_cause(rec: OpRecord, ctx: RuleContext) -> Verdict:
     dtype = out.dtype
     mask = ev.bad_mask(out)
     facts.update(bad=int(mask.sum()), of=out.numel(), nan=int(torch.isnan(out).sum()), inf=int(torch.isinf(out).sum()))
+    masked = _fully_masked_attention(rec, args, kwargs, mask, facts)
+    if masked is not None:
+        return masked
 
     if not rec.creates_nonfinite or (rec.scalar_nonfinite and rec.out_nan):  # an intentional infinity (a mask) met
         return _with_infinite_operands(rec, short, args, kwargs, out, mask, facts)
@@ -195,6 +199,20 @@ def _with_infinite_operands(rec: OpRecord, short: str, args: tuple[Any, ...], kw
                                      "_log_softmax", "logsumexp"} or rec.scalar_nonfinite:
         return "inf_arithmetic", _inf_detail(short), facts
     return "inf_arithmetic", f"{short} received infinite operands and produced NaN", facts
+
+
+def _fully_masked_attention(rec: OpRecord, args: tuple[Any, ...], kwargs: dict[str, Any], mask: torch.Tensor,
+                            facts: dict[str, Any]) -> Verdict | None:
+    """A fused attention op (the fast paths of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer``,
+    ``_masked_softmax``, the ``scaled_dot_product_attention`` kernels) whose bad elements all lie in query rows
+    that its mask operand leaves without any key: the softmax inside it ran over a fully masked row, as the slow
+    path's ``_softmax`` visibly does. The mask may be boolean, so this holds whether or not an infinity reached
+    the op."""
+    rows = masked_rows(rec.func, args, kwargs, mask)
+    if rows is None or not rows[0] or rows[1] != rows[0]:
+        return None
+    facts["fully_masked_rows"] = rows[1]
+    return "masked_softmax_all", f"{rows[1]} query row(s) whose attention mask hides every key", facts
 
 
 def _inf_detail(short: str) -> str:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from ..localisation.tracer import dense
+
 F64 = torch.float64
 
 
@@ -69,7 +71,7 @@ def recompute(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Recom
     outs = floating_outputs(out)
     if not outs:
         return Recompute(None, "no floating output")
-    return Recompute(outs[0].to(F64))
+    return Recompute(dense(outs[0]).to(F64))  # a nested output padded, as the record keeps it
 
 
 def operands_at(args: tuple[Any, ...], kwargs: dict[str, Any], shape: torch.Size, mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -84,7 +86,7 @@ def operands_at(args: tuple[Any, ...], kwargs: dict[str, Any], shape: torch.Size
         if not isinstance(value, torch.Tensor) or value.is_complex():
             continue
         try:
-            full = torch.broadcast_to(value.detach(), shape)
+            full = torch.broadcast_to(dense(value.detach()), shape)
         except RuntimeError:
             continue
         vals = full[mask]

@@ -207,7 +207,7 @@ def _after_backward(watched: "Watched", incident: "Incident", capture: Any, exc:
     incident.kind = seen  # what localisation branches on (a loss seen non-finite, or only the gradients)
     incident.summary = f"The step's {what} were non-finite after backward() at step {incident.step}."
     with torch.autograd.set_detect_anomaly(False):  # the user's anomaly mode would stop the replay's backward too
-        localise_incident(watched, incident, capture)
+        localise_incident(watched, incident, capture, raised=exc)
     incident.kind = "exception"
     incident.details["observed"] = seen
     if exc is None:

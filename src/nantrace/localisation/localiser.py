@@ -41,23 +41,26 @@ class NotReplayable(Exception):
 
 
 def localise_incident(watched: "Watched", incident: "Incident", capture: StepCapture, *,
-                      lockstep: "Lockstep | None" = None) -> None:
+                      lockstep: "Lockstep | None" = None, raised: BaseException | None = None) -> None:
     """Fill in ``incident`` from a replay of the step; never raises into the training loop.
 
     ``lockstep``: every rank runs this replay together (FSDP2, ``lockstep.py``): each unit is
     replayed forward and backward on every rank, and rank-dependent choices are agreed.
+    ``raised``: the exception the real step raised (a gradient hook of the user's refusing a NaN
+    gradient stopped its backward): a replay that raises it again reproduced the step up to its
+    failure, and what it traced until then is the evidence (:func:`raised_again`).
     """
     start = time.perf_counter()
     try:
         try:
-            _localise(watched, incident, capture, lockstep)
+            _localise(watched, incident, capture, lockstep, raised)
         except NotReplayable:
             if not (capture.calls and capture.forwards and capture.tape is not None and capture.tape.usable
                     and lockstep is None):
                 raise
             # re-running the replayable call raised (its state moved on since): the step's taped loss code did not
             incident.details["replayable_call_raised"] = True
-            _localise(watched, incident, capture.without_calls(), lockstep)
+            _localise(watched, incident, capture.without_calls(), lockstep, raised)
     except NotReplayable as exc:
         cause = exc.__cause__
         incident.details["not_replayable"] = f"{type(cause).__name__}: {cause}"
@@ -160,7 +163,8 @@ def _tape_low_precision(watched: "Watched", tape: Any, units: list[Any]) -> bool
         _is_low_precision(watched, unit) for unit in units)
 
 
-def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lockstep: "Lockstep | None") -> None:
+def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lockstep: "Lockstep | None",
+              raised: BaseException | None = None) -> None:
     units: list[Any] = list(capture.calls) or list(capture.forwards)
     if not units:
         incident.details["localisation"] = "nothing to replay: no forward of the watched model ran in this step"
@@ -200,8 +204,14 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
                 with modules, tracer:
                     result = run_unit(watched, unit, together=together)
                     tracer.flush()
-            except Exception as exc:  # the user's code raised on re-run: the step cannot be replayed
-                raise NotReplayable(exc) from exc
+            except Exception as exc:  # the user's code raised on re-run: the step cannot be replayed, unless it
+                found = _evidence_of_raise(exc, raised, tracer)  # raised as the real step did: then it reproduced it
+                if found is None:
+                    raise NotReplayable(exc) from exc
+                (observed_in, start), failing_unit = found, unit
+                _note_raised_again(incident, exc)
+                incident.details["replayed_unit"] = index
+                break
             replayed_gradients(unit_grads, result.grads)
             if not result.forward_finite:
                 observed_in = "forward"
@@ -223,6 +233,13 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
             incident.details["replayed_unit"] = index
             if not together:
                 break
+        if observed_in == "forward" and not together and _after_step_code(tape, units, failing_unit):
+            # the failing forward ran after other code of the step (an earlier micro-batch's forward and loss code):
+            # trace it in the one graph the step built up to it, where its arguments have their producers
+            retraced = _in_step_order(watched, capture, units, failing_unit, minus_inf_output)
+            if retraced is not None:
+                tracer, start = retraced
+                incident.details["replayed_in_step_order"] = True
         wants_tape = observed_in in (None, "loss_function") and tape is not None and tape.usable \
             and outputs_finite is not False
         if together:  # one rank's wish replays the loss code on every rank; the others discard it
@@ -250,7 +267,11 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
                 with modules, tracer:
                     taped = replay_step(watched, units, tape, tracer, prelude=capture.prelude)
             incident.details["loss_code_replayed"] = len(tape.entries)
-            if taped.error is not None:
+            again = _evidence_of_raise(taped.error, raised, tracer) if taped.error is not None else None
+            if again is not None:
+                (observed_in, start), failing_unit = again, tape
+                _note_raised_again(incident, taped.error)
+            elif taped.error is not None:
                 loss_error = f"{type(taped.error).__name__}: {taped.error}"
                 incident.details["loss_code_error"] = loss_error
             elif not taped.forward_finite and taped.loss is not None:
@@ -271,7 +292,11 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
             tracer = OpTracer(ModuleStack(watched.root), externals_of(watched, units))
             gradient_code = replay_gradient_code(watched, grad_tape, unit_grads, tracer)
             incident.details["gradient_code_replayed"] = len(grad_tape.entries)
-            if gradient_code.error is not None:
+            again = _evidence_of_raise(gradient_code.error, raised, tracer) if gradient_code.error is not None else None
+            if again is not None:
+                observed_in, start, failing_unit = "gradient_code", again[1], None
+                _note_raised_again(incident, gradient_code.error)
+            elif gradient_code.error is not None:
                 incident.details["gradient_code_error"] = f"{type(gradient_code.error).__name__}: {gradient_code.error}"
             elif not gradient_code.finite:
                 observed_in, start, failing_unit = "gradient_code", gradient_code.start, None
@@ -282,10 +307,15 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
             incident.details["float32_rerun"] = "not run: under FSDP2 the replay runs on every rank together"
         elif observed_in is not None and failing_unit is not None and failing_unit is not tape and watched.config.localisation.precision_check \
                 and (_is_low_precision(watched, failing_unit) or _saw_low_precision(tracer)):
-            with float32_model(watched.root):
-                r32 = run_unit(watched, failing_unit, full_precision=True, backward=observed_in == "backward")
-            finite32 = r32.forward_finite and r32.grads_finite is not False and (
-                minus_inf_output is None or bool(torch.isfinite(r32.observed[minus_inf_output]).all()))
+            try:
+                with float32_model(watched.root):
+                    r32 = run_unit(watched, failing_unit, full_precision=True, backward=observed_in == "backward")
+                finite32 = r32.forward_finite and r32.grads_finite is not False and (
+                    minus_inf_output is None or bool(torch.isfinite(r32.observed[minus_inf_output]).all()))
+            except Exception as exc:  # the step's own exception, raised again in float32: not finite there either
+                if not raised_again(exc, raised):
+                    raise
+                finite32 = False
             incident.details["float32_rerun_finite"] = finite32
         elif observed_in is not None and failing_unit is tape and not together \
                 and watched.config.localisation.precision_check and tape is not None \
@@ -302,7 +332,7 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
         # The replayable call, re-run, is finite: a loss function that keeps state between calls (a running
         # history, a counter) computes something else the second time. The step's own taped loss code does not.
         incident.details["replayable_call_finite"] = True
-        _localise(watched, incident, capture.without_calls(), lockstep)
+        _localise(watched, incident, capture.without_calls(), lockstep, raised)
         return
     if observed_in is None:
         if loss_error is not None or (tape is not None and tape.truncated):
@@ -327,20 +357,26 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
         incident.details["localisation"] = "the non-finite value was observed but no traced op produced it"
         return
     origin = trace_back(start)
-    if isinstance(failing_unit, CallRecord) and not together and _met_earlier_state(origin) \
+    if isinstance(failing_unit, CallRecord) and not together \
+            and (_met_earlier_state(origin) or _origin_read_earlier_state(origin, tracer)) \
             and capture.forwards and capture.tape is not None and capture.tape.usable:
         # The re-run of the replayable call ended at a NaN that was in the program's state before it began and
-        # did not come in through its arguments: the real call (or code before it) put it there, so the re-run
-        # read other values than the real call did. The step's forwards and taped code hold the real call's.
+        # did not come in through its arguments, or its origin op read such state (a temperature an earlier call
+        # stored on the loss object): the real call (or code before it) put it there, so the re-run read other
+        # values than the real call did. The step's forwards and taped code hold the real call's.
         incident.details["replayable_call_read_later_state"] = str(origin.record.op if origin.record else None)
-        _localise(watched, incident, capture.without_calls(), lockstep)
+        _localise(watched, incident, capture.without_calls(), lockstep, raised)
         return
     if origin.external is not None and origin.external.external == "input" and not together \
-            and isinstance(failing_unit, (ForwardRecord, CallRecord)) and capture.prelude is not None \
-            and capture.prelude.usable:
-        made = _made_before_forward(watched, capture, failing_unit)
+            and isinstance(failing_unit, (ForwardRecord, CallRecord)) and (
+                (capture.prelude is not None and capture.prelude.usable) or _after_step_code(tape, units, failing_unit)):
+        made = _made_before_forward(watched, capture, units, failing_unit)
         if made is not None:
             origin, tracer = made
+            if incident.kind in ("nonfinite_loss", "nonfinite_grad", "nonfinite_activation"):
+                # what went bad first in the step's dataflow is the model's input (a -inf there passed the capture's
+                # mask rule; the replay shows an op made it, no mask): as for an input made bad in the prelude
+                incident.kind = "nonfinite_input"
     cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=param_modules(watched),
                    ignored_targets=tracer.ignored_targets if tracer is not None else None,
                    made_by=tracer.made_by if tracer is not None else None, history=incident.history,
@@ -348,6 +384,76 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
     _apply(incident, cls, origin, replayable=replayable)
     if observed_in == "gradient_code" and cls.cause not in ("nonfinite_param", "nonfinite_input"):
         _in_gradient_code(incident, cls, gradient_code.bad if gradient_code is not None else [])
+
+
+def raised_again(error: BaseException | None, raised: BaseException | None) -> bool:
+    """Whether a replay raised the real step's own exception: the same type and message (a gradient hook of the
+    user's refusing the NaN gradient again, anomaly mode's check again). Such a replay reproduced the step up to
+    its failure; it is no sign that the step cannot be replayed."""
+    return error is not None and raised is not None and type(error) is type(raised) and str(error) == str(raised)
+
+
+def _evidence_of_raise(error: BaseException | None, raised: BaseException | None,
+                       tracer: OpTracer) -> tuple[str, OpRecord] | None:
+    """(where the failure was observed, where the origin search starts) in a replay that raised the real step's
+    exception again: the first live backward op with a non-finite output (a hook refused the gradient it reached),
+    else the last forward op that made one; None when the exception is another one, or the replay traced no
+    non-finite value before it (then it is not about a value the replay can show)."""
+    if not raised_again(error, raised):
+        return None
+    tracer.flush()
+    start = backward_start(tracer.records)
+    if start is not None:
+        return "backward", start
+    made = [r for r in tracer.records if r.phase == "forward"]
+    return ("forward", made[-1]) if made else None
+
+
+def _note_raised_again(incident: "Incident", error: BaseException | None) -> None:
+    """Say in the incident that its replay stopped where the real step did, with the same exception."""
+    incident.details["replay_raised_again"] = f"{type(error).__name__}: {error}"
+
+
+def _after_step_code(tape: Any, units: list[Any], unit: Any) -> bool:
+    """Whether ``unit`` (a recorded forward) ran after code of the step that the loss tape kept or after another
+    forward: its arguments may be values the step made (a temperature from the first micro-batch's logits, a
+    micro-batch standardised by the previous one's statistics), which a replay of the forward alone takes for the
+    batch."""
+    if not isinstance(unit, ForwardRecord) or tape is None or not tape.usable:
+        return False
+    return unit is not units[0] or getattr(unit, "tape_at", 0) > 0
+
+
+def _replay_until(watched: "Watched", capture: StepCapture, units: list[Any], unit: Any) -> tuple[OpTracer, Any] | None:
+    """The step replayed in its real order up to and including the forward ``unit``, under one fresh tracer (the
+    prelude, the earlier forwards and the loss code's calls before it: ``loss_replay.replay_step(until=...)``):
+    (tracer, its ``StepResult``), or None when that replay raised. Call inside ``rerun_scope``."""
+    index = next(i for i, u in enumerate(units) if u is unit)
+    tracer = OpTracer(ModuleStack(watched.root), externals_of(watched, units))
+    with tracer.modules, tracer:
+        step = replay_step(watched, units, capture.tape, tracer, backward=False, prelude=capture.prelude, until=index)
+    if step.error is not None or len(step.unit_outputs) != index + 1:
+        return None
+    return tracer, step
+
+
+def _in_step_order(watched: "Watched", capture: StepCapture, units: list[Any], unit: Any,
+                   minus_inf_output: int | None) -> tuple[OpTracer, OpRecord] | None:
+    """(tracer, where the origin search starts) for the failing forward ``unit`` replayed in the step's real order
+    (:func:`_replay_until`), so that an argument the step made before it is traced to the op that made it and the
+    provenance rules see that op (a divisor that is the std of an earlier micro-batch's logits); None when that
+    replay fails or does not show the failure."""
+    replayed = _replay_until(watched, capture, units, unit)
+    if replayed is None:
+        return None
+    tracer, step = replayed
+    outputs = step.unit_outputs[-1]
+    if minus_inf_output is not None:
+        bad = outputs[minus_inf_output:minus_inf_output + 1]
+    else:
+        bad = [t for t in outputs if not output_ok(t)]
+    start = next((tracer.producer.get(t) for t in bad if tracer.producer.get(t) is not None), None)
+    return (tracer, start) if start is not None else None
 
 
 def _met_earlier_state(origin: Origin) -> bool:
@@ -360,20 +466,73 @@ def _met_earlier_state(origin: Origin) -> bool:
     return ext is not None and ext != "input" and not ext.startswith(("param:", "buffer:"))
 
 
-def _made_before_forward(watched: "Watched", capture: StepCapture, unit: Any) -> tuple[Origin, OpTracer] | None:
+def _origin_read_earlier_state(origin: Origin, tracer: OpTracer | None) -> bool:
+    """Whether the origin op read a tensor that no op of the replay made and that is neither the model's state
+    (a parameter, a buffer) nor an argument of the replayed unit: state the replayed code found by itself (an
+    attribute of the loss object, a global). A ``replayable`` call re-run reads it as the real step left it, after
+    the real call (and later calls) updated it, so the re-run's operands may not be the real call's (see
+    :func:`_met_earlier_state`)."""
+    rec = origin.record
+    if tracer is None or rec is None or rec.func is None or rec.phase != "forward":
+        return False
+    written = {i for i, arg in enumerate(rec.func._schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write}
+    operands = [a for i, a in enumerate(rec.args or ()) if i not in written] + list((rec.kwargs or {}).values())
+    return any(isinstance(t, torch.Tensor) and t.is_floating_point() and tracer.made_by.get(t) is None
+               and id(t) not in tracer.externals for t in operands)
+
+
+def _made_before_forward(watched: "Watched", capture: StepCapture, units: list[Any],
+                         unit: Any) -> tuple[Origin, OpTracer] | None:
     """The origin of a non-finite model input that the step's own code made before the forward
     (features standardised by the batch's std, boxes encoded, targets rescaled), found by replaying
-    the prelude: the batch itself is blamed only when no taped call made that input."""
-    if unit is None or capture.prelude is None:
+    the prelude, and, for a forward that ran after loss code of the step (the second micro-batch's,
+    standardised by the first one's statistics in the loss code between them), the step in its real
+    order up to it: the batch itself is blamed only when no taped call made that input."""
+    if unit is None:
         return None
     bad = [t for t in floating_tensors((unit.args, unit.kwargs)) if not bool(torch.isfinite(t).all())]
-    tracer = OpTracer(ModuleStack(watched.root), externals_of(watched, [unit]))  # fresh: see the gradient code's
-    with rerun_scope(watched), tracer.modules, tracer:
-        start = trace_prelude_inputs(capture.prelude, bad, tracer)
-    if start is None:
+    made = None
+    if _after_step_code(capture.tape, units, unit):
+        with rerun_scope(watched):
+            made = _made_in_step(watched, capture, units, unit, bad)
+    if made is None:
+        with rerun_scope(watched):
+            made = _made_in_prelude(watched, capture, unit, bad)
+    if made is None:
         return None
+    tracer, start = made
     origin = trace_back(start)
     return (origin, tracer) if origin.external is None and origin.record is not None else None
+
+
+def _made_in_prelude(watched: "Watched", capture: StepCapture, unit: Any,
+                     bad: list[torch.Tensor]) -> tuple[OpTracer, OpRecord] | None:
+    """(tracer, the traced op of the replayed prelude that made the first of ``bad``), or None. Call inside
+    ``rerun_scope``."""
+    if capture.prelude is None:
+        return None
+    tracer = OpTracer(ModuleStack(watched.root), externals_of(watched, [unit]))  # fresh: see the gradient code's
+    with tracer.modules, tracer:
+        start = trace_prelude_inputs(capture.prelude, bad, tracer)
+    return (tracer, start) if start is not None else None
+
+
+def _made_in_step(watched: "Watched", capture: StepCapture, units: list[Any], unit: Any,
+                  bad: list[torch.Tensor]) -> tuple[OpTracer, OpRecord] | None:
+    """(tracer, the traced op that made the replayed value of the first of ``bad``, real non-finite arguments of
+    the forward ``unit``) in the step replayed in its real order up to that forward (:func:`_replay_until`);
+    None when no op of the replay made one non-finite (the batch came so). Call inside ``rerun_scope``."""
+    replayed = _replay_until(watched, capture, units, unit)
+    if replayed is None:
+        return None
+    tracer, step = replayed
+    wanted = {id(t) for t in bad}
+    real = floating_tensors((unit.args, unit.kwargs))
+    for t, value in zip(real, step.unit_inputs):
+        made = tracer.producer.get(value) if id(t) in wanted and not bool(torch.isfinite(value).all()) else None
+        if made is not None:
+            return tracer, made
+    return None
 
 
 def _apply(incident: "Incident", cls: Classification, origin: Origin, *, replayable: bool) -> None:

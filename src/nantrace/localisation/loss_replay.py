@@ -37,9 +37,15 @@ class StepResult:
     forward_finite: bool
     grads_finite: bool | None
     error: BaseException | None = None
-    """The exception the replay raised (the model's forward or a call of the loss code)."""
+    """The exception the replay raised (the model's forward, a call of the loss code, or its backward: a gradient
+    hook the step's code registered)."""
     model_outputs_finite: bool = True
     """Were the replayed model outputs finite (False: the bad value was born in the model)?"""
+    unit_outputs: list[list[torch.Tensor]] = dataclasses.field(default_factory=list)
+    """The replayed outputs of each forward replayed, in order."""
+    unit_inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """With ``until``: the replayed value of each floating argument of that forward (in ``floating_tensors``
+    order), what the replay handed it in place of the real one."""
 
 
 class _Decoder:
@@ -191,7 +197,7 @@ def _unit_input(decode: _Decoder, tape: LossTape | None, value: torch.Tensor) ->
 
 def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tracer: OpTracer, *,
                 backward: bool = True, together: bool = False, prelude: LossTape | None = None,
-                full_precision: bool = False) -> StepResult:
+                full_precision: bool = False, until: int | None = None) -> StepResult:
     """Replay the step's forwards and its loss tape in one graph (inside the tracer and a module stack).
 
     ``prelude``: the step's code before the model's forward, taped; it is replayed too, and the
@@ -199,6 +205,10 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
     before the forward are traced to the division that made them, not taken for the batch).
     ``together``: every rank replays in lockstep (FSDP2): the backward runs even from a non-finite
     loss, so that its collectives meet the other ranks'; the result reads as without it.
+    ``until``: stop once the forward ``units[until]`` has been replayed (with everything the step ran before it:
+    the prelude, the earlier forwards and the loss code's calls before it); its outputs are the last of
+    ``unit_outputs``. A forward's failure is then traced in the one graph the real step built up to it: through an
+    argument the loss code made from an earlier micro-batch (a temperature, a running standardisation).
     """
     replaced: dict[int, torch.Tensor] = {}
     shared: set[int] = {id(t) for unit in units for t in floating_tensors((unit.args, unit.kwargs))}
@@ -227,9 +237,9 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
                 if error is not None:
                     return StepResult(None, False, None, error, outputs_finite)
                 done = at
+            inputs = functools.partial(_unit_input, decode, tape)
             try:
-                result = run_unit(watched, unit, backward=False, full_precision=full_precision,
-                                  inputs=functools.partial(_unit_input, decode, tape))
+                result = run_unit(watched, unit, backward=False, full_precision=full_precision, inputs=inputs)
             except Exception as exc:
                 return StepResult(None, False, None, exc, outputs_finite)
             outputs_finite = outputs_finite and result.forward_finite
@@ -238,6 +248,10 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
                 real = ref()
                 if real is not None:
                     replaced[id(real)] = replayed
+            if len(unit_outputs) - 1 == until:
+                tracer.flush()
+                return StepResult(None, outputs_finite, None, None, outputs_finite, unit_outputs,
+                                  [inputs(t) for t in floating_tensors((unit.args, unit.kwargs))])
         tracer.flush()
         if not taped:
             return StepResult(None, outputs_finite, None, None, outputs_finite)
@@ -261,7 +275,10 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
         t for unit in units for t in floating_tensors((unit.args, unit.kwargs)) if t.requires_grad and t.is_leaf]
     if not leaves:
         return StepResult(loss, bad_loss is None, None, None, outputs_finite)
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    try:
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    except Exception as exc:  # a gradient hook of the step's code refused a value: the tracer holds what it saw
+        return StepResult(loss, bad_loss is None, None, exc, outputs_finite)
     if bad_loss is not None:
         return StepResult(bad_loss, False, None, None, outputs_finite)
     return StepResult(loss, True, all(bool(torch.isfinite(g).all()) for g in grads if g is not None), None,

@@ -1,10 +1,18 @@
-"""Which module is running: a stack kept by forward pre/post hooks, installed only for a replay."""
+"""Which module is running: a stack kept by process-wide forward pre/post hooks, installed only for a replay.
+
+The hooks are torch's global module hooks (``register_module_forward_pre_hook`` /
+``register_module_forward_hook``), filtered by identity to the watched model's modules: nothing is put on
+the user's modules, so a module that looks at its own hooks (``nn.TransformerEncoderLayer`` leaves its fused
+inference path when it or a sublayer is hooked: :mod:`nantrace.module_hooks`) computes in the replay what it
+computed in the real step.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 
 class ModuleStack:
@@ -14,6 +22,7 @@ class ModuleStack:
         self.root = root
         self._stack: list[str] = []
         self._handles: list[Any] = []
+        self._names: dict[int, tuple[nn.Module, str]] = {}
 
     @property
     def current(self) -> str | None:
@@ -21,9 +30,10 @@ class ModuleStack:
         return self._stack[-1] if self._stack else None
 
     def __enter__(self) -> "ModuleStack":
-        for name, module in self.root.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._push(name)))
-            self._handles.append(module.register_forward_hook(self._pop(name), always_call=True))
+        # named_modules() names a module shared under two paths by its first one, as before.
+        self._names = {id(module): (module, name) for name, module in self.root.named_modules()}
+        self._handles = [torch_module.register_module_forward_pre_hook(self._pre),
+                         torch_module.register_module_forward_hook(self._post, always_call=True)]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -31,18 +41,26 @@ class ModuleStack:
             h.remove()
         self._handles.clear()
         self._stack.clear()
+        self._names = {}
 
-    def _push(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
+    def _name(self, module: nn.Module) -> str | None:
+        """The dotted path of ``module`` when it is one of the root's modules (identity, not a reused ``id``)."""
+        entry = self._names.get(id(module))
+        return entry[1] if entry is not None and entry[0] is module else None
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        """A module of the root begins its forward: it is the innermost running one."""
+        name = self._name(module)
+        if name is not None:
             self._stack.append(name)
 
-        return hook
-
-    def _pop(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._stack and self._stack[-1] == name:
-                self._stack.pop()
-            elif name in self._stack:
-                del self._stack[len(self._stack) - 1 - self._stack[::-1].index(name)]
-
-        return hook
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A module of the root ended its forward (or raised: the hook is always called): take it off the
+        stack, from the top or, when an inner one never ended, from where it is."""
+        name = self._name(module)
+        if name is None:
+            return
+        if self._stack and self._stack[-1] == name:
+            self._stack.pop()
+        elif name in self._stack:
+            del self._stack[len(self._stack) - 1 - self._stack[::-1].index(name)]

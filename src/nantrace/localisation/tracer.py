@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .attention import mask_position
 from .modules import ModuleStack
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -31,27 +32,57 @@ _NANTRACE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os
 _USER_CODE_IN_NANTRACE = (_NANTRACE_DIR + "demo" + os.sep,)  # the demo's model is user code
 
 
+def nested_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors a nested tensor holds its elements in (``values()`` of a jagged one, the components
+    of a strided one): most ops, ``aminmax`` and ``any`` included, have no nested kernel, so a nested tensor
+    (``nn.TransformerEncoder``'s inference path packs a padded batch into one) is read through them."""
+    return [t.values()] if t.layout == torch.jagged else list(t.unbind())
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     """One min/max pass instead of a mask: a NaN reaches both, an infinity one of them."""
+    if t.is_nested:
+        return all(_all_finite(part) for part in nested_parts(t) if part.numel())
     if t.is_complex():
         return bool(torch.isfinite(t).all())
     lo, hi = torch.aminmax(t.detach())
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
+def has_nan(t: torch.Tensor) -> bool:
+    """Whether ``t`` (nested or not) holds a NaN."""
+    if t.is_nested:
+        return any(has_nan(part) for part in nested_parts(t))
+    return bool(torch.isnan(t).any())
+
+
+def has_inf(t: torch.Tensor) -> bool:
+    """Whether ``t`` (nested or not) holds an infinity."""
+    if t.is_nested:
+        return any(has_inf(part) for part in nested_parts(t))
+    return bool(torch.isinf(t).any())
+
+
 def _nan_inf(t: torch.Tensor) -> tuple[bool, bool]:
     """(holds NaN, holds ±inf), with the cheap finite test first (most tensors are finite)."""
     if t.is_complex() or t.dtype == torch.bool or not t.is_floating_point():
-        return (bool(torch.isnan(t).any()), bool(torch.isinf(t).any())) if t.is_complex() else (False, False)
+        return (has_nan(t), has_inf(t)) if t.is_complex() else (False, False)
     if _all_finite(t):
         return False, False
-    return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+    return has_nan(t), has_inf(t)
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a nested tensor padded with zeros into one dense tensor (the evidence reads its
+    elements by position)."""
+    return torch.nested.to_padded_tensor(t, 0.0) if t.is_nested else t
 
 
 def readable(t: torch.Tensor) -> bool:
     """Whether the tensor's storage still holds its elements: FSDP2 frees the storage of an
-    unsharded parameter (resizes it to 0 bytes) when it reshards, and a replay may still hold it."""
-    if t.numel() == 0:
+    unsharded parameter (resizes it to 0 bytes) when it reshards, and a replay may still hold it.
+    A nested tensor is readable: its elements are read through its parts (:func:`nested_parts`)."""
+    if t.is_nested or t.numel() == 0:
         return True
     extent = t.storage_offset() + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
     return t.untyped_storage().nbytes() >= extent * t.element_size()
@@ -151,7 +182,7 @@ _MASKING_OPS = frozenset({
     "_scaled_dot_product_cudnn_attention"})
 """Ops through which a ``-inf`` tensor from outside is applied as an additive mask (to attention
 scores, logits); a ``-inf`` input first met by a matmul, a convolution or a normalisation is a bad
-value of the batch instead."""
+value of the batch instead. A fused attention op's mask operand is one too (:mod:`.attention`)."""
 _OVERWRITES = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
                          "geometric_", "log_normal_", "cauchy_"})
 """In-place ops that replace every value of the tensor they write (``self``): its old values are not an
@@ -170,9 +201,10 @@ def op_name(func: Any) -> str:
 
 
 def tensor_stats(t: torch.Tensor, arg: str) -> dict[str, Any]:
-    """dtype, shape, min, max, smallest |x|, counts of zeros, negatives, NaN and Inf."""
-    out: dict[str, Any] = {"arg": arg, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-    x = t.detach()
+    """dtype, shape, min, max, smallest |x|, counts of zeros, negatives, NaN and Inf (of a nested tensor: its
+    padded shape, and the counts over its elements)."""
+    out: dict[str, Any] = {"arg": arg, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(dense(t).shape)}
+    x = torch.cat([part.detach().reshape(-1) for part in nested_parts(t)]) if t.is_nested else t.detach()
     if x.numel() == 0 or not readable(x):
         return out
     if x.is_floating_point():
@@ -474,8 +506,8 @@ class OpTracer(TorchDispatchMode):
             if outs and len(self.producer):
                 self._note_absorbed(func, args, kwargs, pre)
             return out
-        out_nan = any(bool(torch.isnan(t).any()) for t in bad)
-        out_inf = any(bool(torch.isinf(t).any()) for t in bad)
+        out_nan = any(has_nan(t) for t in bad)
+        out_inf = any(has_inf(t) for t in bad)
         inputs = self._input_refs(args, kwargs, pre, func)
         scalar_nonfinite = any(
             isinstance(a, (float, int)) and not isinstance(a, bool) and not math.isfinite(a)
@@ -502,7 +534,7 @@ class OpTracer(TorchDispatchMode):
             info.record = record
         record.func = func
         if (out_nan and not record.in_nan) or record.creates_nonfinite:
-            record.args, record.kwargs, record.output = kept[0], kept[1], bad[0]
+            record.args, record.kwargs, record.output = kept[0], kept[1], dense(bad[0])
         for t in bad:
             self.producer[t] = record
         if mutable:
@@ -617,6 +649,7 @@ class OpTracer(TorchDispatchMode):
         refs: list[InputRef] = []
         short = func._schema.name.split("::")[-1] if func is not None else ""
         masking = short in _MASKING_OPS
+        mask_operand = mask_position(func, args, kwargs) if func is not None else None
         named = [(f"arg{i}", a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]
         if short in _OVERWRITES:  # the destination's old values are replaced, not read
             named = [(position, a) for position, a in named if position not in ("arg0", "self")]
@@ -634,7 +667,7 @@ class OpTracer(TorchDispatchMode):
                 mask = False
                 if (nan or inf) and producer is None:
                     external = self.externals.get(id(t), "constant" if not nan else "unknown")
-                    mask = masking and inf and not nan and not t.is_complex() and not bool((t.detach() == float("inf")).any())
+                    mask = (masking or position == mask_operand) and inf and not nan and not t.is_complex() and not bool((t.detach() == float("inf")).any())
                 refs.append(InputRef(position if len(tensors) == 1 else f"{position}[{j}]", nan, inf, producer, external,
                                      mask))
         return refs
