@@ -265,3 +265,31 @@ def test_a_monitor_without_pre_update_work_is_not_entered(monkeypatch, minimal, 
         assert grad_modes == []  # nothing to do: no grad-mode switch, no call
         busy.before_update(0, params)
         assert grad_modes == ["no_grad"] and Busy.entered == 1
+
+
+def test_a_model_returning_a_nested_tensor_runs_and_its_nan_input_is_found(one_thread):
+    """A nested tensor has no norm or min/max kernel of its own: nantrace reads it through its components
+    (it never breaks the user's forward), and a NaN in the input is still a non-finite input."""
+    class Ragged(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.proj(x)
+            return torch.nested.as_nested_tensor([y[0, :2], y[1]])  # rows of different lengths
+
+    torch.manual_seed(0)
+    model = Ragged()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="nested"):  # torch's own prototype warning, nothing of nantrace's
+        with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+            for step in range(4):
+                opt.zero_grad()
+                x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+                if step == 2:
+                    x[1, 0] = math.nan
+                out = model(x)
+                sum(part.sum() for part in out.unbind()).backward()
+                opt.step()
+    assert [(i.step, i.kind, i.cause) for i in guard.incidents] == [(2, "nonfinite_input", "nonfinite_input")]

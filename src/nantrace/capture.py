@@ -193,7 +193,10 @@ class StepCapture:
         if self.input_policy.extremes_now:
             _extend_extremes(self._input_extremes, tensors)
             return
-        self._pending_inputs.extend((t, t._version) for t in tensors if t.numel())
+        nested = [t for t in tensors if t.is_nested]
+        if nested:  # a nested tensor has no norm kernel: its extremes now, through its components
+            _extend_extremes(self._input_extremes, nested)
+        self._pending_inputs.extend((t, t._version) for t in tensors if not t.is_nested and t.numel())
 
     def take_inputs(self) -> list[torch.Tensor]:
         """The noted inputs not yet reduced and still as the forward received them (for the check that
@@ -269,6 +272,9 @@ _EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
 
 def _extend_extremes(into: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
     for t in tensors:
+        if t.is_nested:  # (a model that returns or takes a nested tensor): its components, flattened
+            parts = [p.reshape(-1) for p in t.detach().unbind()]
+            t = torch.cat(parts) if parts else torch.zeros(0, dtype=t.dtype)
         if t.numel():
             lo, hi = torch.aminmax(t.detach())
             if lo.dtype not in _EXACT_IN_FLOAT32:  # float64: 1e300 is finite but not in float32; keep 0.0/NaN

@@ -54,8 +54,8 @@ def find_logits(output: Any) -> torch.Tensor | None:
             candidate = None
     elif isinstance(output, (list, tuple)) and output:
         candidate = output[0]
-    if not isinstance(candidate, torch.Tensor) or not candidate.is_floating_point():
-        return None
+    if not isinstance(candidate, torch.Tensor) or not candidate.is_floating_point() or candidate.is_nested:
+        return None  # (a nested tensor's rows have no common class dimension to read)
     if candidate.dim() not in (2, 3) or candidate.shape[-1] < 2 or candidate.numel() == 0:
         return None
     return candidate
