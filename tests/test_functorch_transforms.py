@@ -1,7 +1,9 @@
 """A model run inside a ``torch.func`` transform (per-sample gradients by ``vmap(grad(functional_call))``,
 as DP-SGD does): nothing of nantrace keeps the transform's wrapped tensors (the model's forward hooks and
 the tapes let calls at a functorch level pass), so the user's program runs as without nantrace, and a
-failure born in the code that turns the per-sample gradients into ``p.grad`` is found there."""
+failure born in the code that turns the per-sample gradients into ``p.grad`` is found there. The same holds for
+any step whose own code writes ``p.grad`` with no ``backward()`` (an evolution strategy scoring its candidates
+under ``torch.no_grad()``): the prelude's replay names the op and line (docs/diagnosis.md)."""
 
 from __future__ import annotations
 
@@ -78,11 +80,6 @@ def test_a_healthy_dp_sgd_run_is_untouched(watched: bool) -> None:
         assert guard.incidents == [] and guard.recorder.capture.forwards == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "no forward of the watched model and no backward() ran outside the transform: the localiser has 'nothing to "
-    "replay' (op None, cause unknown), though the code that computed p.grad was taped by the prelude (it records "
-    "from the last step's end and no forward ended it); replaying the prelude's calls on their real inputs would "
-    "find clip / 0 (localisation/localiser.py, the no-forward branch)"))
 def test_a_zero_per_sample_norm_is_found_in_the_clipping_code() -> None:
     """The padded rows' per-sample gradient is 0: clip / 0 = inf, and 0 * inf = NaN in their scaled
     gradient, averaged into every p.grad. The NaN is born in the code between the transform and
@@ -98,7 +95,99 @@ def test_a_zero_per_sample_norm_is_found_in_the_clipping_code() -> None:
             if step == FAIL:
                 assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the update was skipped
     first: Any = guard.incidents[0]
-    # the divisor is a norm of gradients (docs/diagnosis.md's provenance rule): zero_variance_norm
-    assert (first.step, first.kind, first.op, first.module, first.cause, first.action) == \
-        (FAIL, "nonfinite_grad", "aten.div.Tensor", None, "zero_variance_norm", "skipped")
+    # No forward of the model and no backward() ran outside the transform: the code that wrote p.grad is replayed
+    # from the prelude on its real inputs. `clip / norms` is `norms.reciprocal() * clip` in ATen: the reciprocal of
+    # the zero norm made the inf (the origin rule), and its divisor is a norm of gradients (docs/diagnosis.md's
+    # provenance rule): zero_variance_norm. Phase backward: the step's gradients are what its code made
+    # non-finite, as for code between backward() and optimizer.step() (API.md's phase of a gradient); no module
+    # ran it.
+    assert (first.step, first.kind, first.phase, first.op, first.module, first.cause, first.action) == \
+        (FAIL, "nonfinite_grad", "backward", "aten.reciprocal.default", None, "zero_variance_norm", "skipped")
     assert points_at(first.source, __file__, "dp_factor"), first.source
+    assert first.transient is False
+
+
+POPULATION = 6
+
+
+def _fitness(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A candidate's score: its accuracy on the batch (a step function of the weights)."""
+    logits = functional_call(model, params, (x,))
+    return (logits.argmax(1) == y).float().mean()
+
+
+def _es_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, sigma: float,
+             gen: torch.Generator) -> None:
+    """One step of evolution strategies: candidates around the weights, scored under no_grad, the gradient
+    estimated from the noise weighted by the standardised fitness and written into p.grad (no backward())."""
+    base = {k: v.detach() for k, v in model.named_parameters()}
+    noise = {k: torch.randn((POPULATION, *v.shape), generator=gen) for k, v in base.items()}
+    with torch.no_grad():
+        scores = torch.stack([_fitness(model, {k: v + sigma * noise[k][i] for k, v in base.items()}, x, y)
+                              for i in range(POPULATION)])
+    weights = (scores - scores.mean()) / scores.std()  # <origin:es_weights>
+    opt.zero_grad()
+    for name, p in model.named_parameters():
+        eps = noise[name]
+        p.grad = -(eps * weights.view(-1, *[1] * (eps.dim() - 1))).mean(0) / sigma
+    opt.step()
+
+
+def _es_run(model: nn.Module, opt: torch.optim.Optimizer, steps: int, fail: int | None) -> None:
+    """ES on the tagger; at step ``fail`` the noise scale has been annealed so far that every candidate predicts
+    as the weights do: all score the same, the fitness std is 0."""
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        _es_step(model, opt, *_batch(step), sigma=1e-7 if step == fail else 0.5, gen=gen)
+
+
+@pytest.mark.parametrize("watched", [False, True])
+def test_a_healthy_evolution_strategies_run_is_untouched(watched: bool) -> None:
+    model = Tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) if watched else None
+    try:
+        _es_run(model, opt, 4, None)
+    finally:
+        if guard is not None:
+            guard.close()
+    reference = Tagger()
+    _es_run(reference, torch.optim.SGD(reference.parameters(), lr=0.1), 4, None)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    if guard is not None:
+        assert guard.incidents == []
+
+
+def test_a_zero_fitness_std_is_found_in_the_evolution_strategies_code() -> None:
+    """Only no-grad forwards of the model run (the candidates' evaluation: they make no gradient) and no
+    backward(): the step's own code wrote p.grad, from fitness-weighted noise divided by the fitness std, 0 when
+    every candidate scores the same; (0 - 0) / 0 is NaN in every gradient."""
+    model = Tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        _es_run(model, opt, FAIL + 2, FAIL)
+    first: Any = guard.incidents[0]
+    # the divisor is the std of a constant slice (the provenance rule): zero_variance_norm; phase and module as
+    # for the DP-SGD step above
+    assert (first.step, first.kind, first.phase, first.op, first.module, first.cause, first.action) == \
+        (FAIL, "nonfinite_grad", "backward", "aten.div.Tensor", None, "zero_variance_norm", "skipped")
+    assert points_at(first.source, __file__, "es_weights"), first.source
+    assert first.transient is False
+
+
+def test_a_nan_from_inside_the_transform_is_not_blamed_on_the_clipping_code() -> None:
+    """A NaN in the batch comes out of the transform in the per-sample gradients: the taped code that wrote p.grad
+    received it non-finite from code nothing taped, so no op of that code is named, nor is the step transient."""
+    model = Tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        for step in range(FAIL + 1):
+            x, y = _batch(step)
+            if step == FAIL:
+                x[1, 2] = float("nan")
+            _dp_step(model, opt, x, y, clip=1.0, pad=False)
+    first: Any = guard.incidents[0]
+    assert (first.step, first.kind, first.op, first.cause, first.action) == \
+        (FAIL, "nonfinite_grad", None, "unknown", "skipped")
+    assert first.transient is not True
+    assert "not taped" in first.details["localisation"], first.details

@@ -10,6 +10,12 @@ parameter's ``.grad`` is set, for the replay only, to a copy of its replayed gra
 ``backward()`` left there), the tape's calls are re-issued under the op tracer, and the real
 gradients are put back whatever happens. A call that wrote ``param.grad = ...`` writes the
 stand-in, never the real one.
+
+A step may also write its gradients with no ``backward()`` at all (per-sample gradients from a
+``torch.func`` transform scaled by hand, an evolution-strategies estimate from fitness-weighted noise):
+then the code that made them ran before the optimizer's step with no forward of the model to end the
+prelude, and the prelude's kept calls are replayed on their real inputs instead
+(:func:`replay_written_gradients`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..loss_tape import GradRef, LossTape
-from .loss_replay import _Decoder, _reissue
+from .loss_replay import _Decoder, _reissue, _replay_prelude
 from .tracer import OpRecord, OpTracer
 
 if TYPE_CHECKING:
@@ -87,3 +93,31 @@ def replay_gradient_code(watched: "Watched", tape: LossTape, grads: dict[int, to
     if start is None and bad:
         start = next((r for r in tracer.records if r.creates_nonfinite), tracer.records[0] if tracer.records else None)
     return GradientCodeResult(not bad, [name for name, _ in bad], start)
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Every value of ``t`` finite (one host read)."""
+    return bool(torch.isfinite(t).all())
+
+
+def replay_written_gradients(watched: "Watched", prelude: LossTape, tracer: OpTracer) -> GradientCodeResult:
+    """Re-issue the prelude's kept calls (the step's code, which wrote ``param.grad`` itself: no ``backward()``
+    ran) on copies of their real inputs under ``tracer`` (entered here), and find where the gradients went bad.
+
+    The search starts at the op that made the replayed value of the first non-finite gradient that a kept call
+    made (``p.grad = (g * factor).mean(0)``, or an in-place write into ``p.grad``), else at the first op that
+    created a non-finite value. Nothing of the user's is touched: the prelude's replay works on copies."""
+    bad = [(name, p.grad) for name, p in watched.root.named_parameters()
+           if p.grad is not None and not _finite(p.grad)]
+    try:
+        with tracer.modules, tracer, torch.enable_grad():  # as the prelude's own replay in a step's
+            by_id, _ = _replay_prelude(prelude, tracer, exclude=set())
+            tracer.flush()
+    except Exception as exc:  # noqa: BLE001  the user's code raised on re-run: nothing is concluded
+        return GradientCodeResult(False, [], None, exc)
+    replayed = [by_id.get(id(g)) for _, g in bad]
+    made = [r for r in replayed if r is not None and not _finite(r.detach())]
+    start = next((tracer.producer.get(r) for r in made if tracer.producer.get(r) is not None), None)
+    if start is None:
+        start = next((r for r in tracer.records if r.creates_nonfinite), None)
+    return GradientCodeResult(start is None, [name for name, _ in bad], start)

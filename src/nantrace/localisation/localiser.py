@@ -25,7 +25,7 @@ from ..taxonomy import Action
 from .modules import ModuleStack
 from .origin import Origin, backward_start, chain_summary, trace_back
 from ..loss_tape import unread_nograd_forwards
-from .gradient_code import replay_gradient_code, replayed_gradients
+from .gradient_code import replay_gradient_code, replay_written_gradients, replayed_gradients
 from .loss_replay import replay_step, trace_prelude_inputs
 from .rerun import float32_model, output_ok, rerun_scope, run_unit
 from .tracer import OpRecord, OpTracer
@@ -165,6 +165,9 @@ def _tape_low_precision(watched: "Watched", tape: Any, units: list[Any]) -> bool
 
 def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lockstep: "Lockstep | None",
               raised: BaseException | None = None) -> None:
+    if _gradients_written_by_step_code(incident, capture):
+        _localise_written_gradients(watched, incident, capture)
+        return
     units: list[Any] = list(capture.calls) or list(capture.forwards)
     if not units:
         incident.details["localisation"] = "nothing to replay: no forward of the watched model ran in this step"
@@ -386,6 +389,54 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
         _in_gradient_code(incident, cls, gradient_code.bad if gradient_code is not None else [])
 
 
+def _gradients_written_by_step_code(incident: "Incident", capture: StepCapture) -> bool:
+    """Whether the step's non-finite gradients were written by its own code, not by a backward of the model: no
+    ``replayable`` call, no forward of the model under grad mode (a forward under ``torch.no_grad()`` makes no
+    gradient: an evolution strategy's evaluation of its candidates) and no ``backward()`` seen. Per-sample gradients
+    from a ``torch.func`` transform (whose calls nothing records), an evolution-strategies estimate, a gradient
+    written by hand: the code that wrote ``p.grad`` ran with no forward to end the prelude, which taped it."""
+    if incident.kind != "nonfinite_grad" or capture.calls or capture.losses:
+        return False
+    if capture.tape is not None and (capture.tape.losses or capture.tape.loss is not None):
+        return False
+    return not any(getattr(f, "grad_enabled", True) for f in capture.forwards)
+
+
+def _localise_written_gradients(watched: "Watched", incident: "Incident", capture: StepCapture) -> None:
+    """Diagnose gradients the step's own code wrote (:func:`_gradients_written_by_step_code`) from a replay of the
+    prelude's kept calls on their real inputs (``gradient_code.replay_written_gradients``); when it shows no op of
+    that code making them non-finite, or cannot run, say so and conclude nothing."""
+    prelude = capture.prelude
+    said = "no backward() ran: the step's own code wrote the gradients, and "
+    if prelude is None or not prelude.usable:  # nothing taped, or more calls than the prelude keeps (it then stops)
+        incident.details["localisation"] = said + "it was not taped (no call, or more than the prelude keeps)"
+        return
+    tracer = OpTracer(ModuleStack(watched.root), externals_of(watched, []))
+    with rerun_scope(watched):
+        written = replay_written_gradients(watched, prelude, tracer)
+    incident.details["gradient_code_replayed"] = len(prelude.entries)
+    incident.details["ops_replayed"] = tracer.ops_seen
+    if written.error is not None:
+        incident.details["gradient_code_error"] = f"{type(written.error).__name__}: {written.error}"
+        return
+    origin = trace_back(written.start) if written.start is not None else None
+    if origin is None:
+        incident.details["localisation"] = said + "its replay is finite"
+        return
+    if origin.external is not None and origin.external.external == "input":
+        # it received them non-finite from code no tape sees (inside a torch.func transform): no op of it to name
+        incident.details["localisation"] = said + "it received them non-finite from code that was not taped " \
+            "(inside a torch.func transform, say)"
+        return
+    cls = classify(origin, observed_in="gradient_code", low_precision_finite=None, param_modules=param_modules(watched),
+                   made_by=tracer.made_by, history=incident.history, divergence_seen=incident.details.get("divergence"))
+    _apply(incident, cls, origin, replayable=False)
+    incident.transient = False
+    incident.details["gradients_written_by_step_code"] = written.bad
+    if cls.cause not in ("nonfinite_param", "nonfinite_input"):
+        _in_gradient_code(incident, cls, written.bad, written=True)
+
+
 def raised_again(error: BaseException | None, raised: BaseException | None) -> bool:
     """Whether a replay raised the real step's own exception: the same type and message (a gradient hook of the
     user's refusing the NaN gradient again, anomaly mode's check again). Such a replay reproduced the step up to
@@ -586,17 +637,24 @@ def _in_loss_function(incident: "Incident") -> None:
                     "and name the op and line.")
 
 
-def _in_gradient_code(incident: "Incident", cls: Classification, bad: list[str]) -> None:
-    """The origin is an op of the code between ``backward()`` and ``optimizer.step()``: the
-    gradients were finite when the backward returned (the replay says so) and that code made them
-    non-finite. Phase ``backward`` (the step's gradients), no module (no forward was running)."""
+def _in_gradient_code(incident: "Incident", cls: Classification, bad: list[str], *, written: bool = False) -> None:
+    """The origin is an op of the code that made the step's gradients outside autograd's backward: between
+    ``backward()`` and ``optimizer.step()`` (the gradients were finite when the backward returned: the replay says
+    so), or, ``written``, the step's own code that wrote ``p.grad`` with no ``backward()`` at all. Phase
+    ``backward`` (the step's gradients are what went bad), no module (no forward was running)."""
     incident.phase = "backward"
     incident.module = None
-    names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-    summary, fix = explain(cls.cause, cls.op, dtype=cls.dtype, detail=cls.detail,
-                           where=" in the code between backward() and optimizer.step()")
-    incident.summary = (f"The gradients were finite when backward() returned at step {incident.step}; the code between "
-                        f"backward() and optimizer.step() made {names or 'them'} non-finite. {summary}")
+    names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") or "them"
+    where = " in the step's code that wrote the gradients" if written \
+        else " in the code between backward() and optimizer.step()"
+    summary, fix = explain(cls.cause, cls.op, dtype=cls.dtype, detail=cls.detail, where=where)
+    if written:
+        lead = (f"No backward() of the model ran at step {incident.step}: the step's own code wrote the gradients "
+                f"(p.grad = ...) and made {names} non-finite.")
+    else:
+        lead = (f"The gradients were finite when backward() returned at step {incident.step}; the code between "
+                f"backward() and optimizer.step() made {names} non-finite.")
+    incident.summary = f"{lead} {summary}"
     incident.fix = fix
 
 
