@@ -249,6 +249,11 @@ def _generic(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tenso
             return ("div_by_zero", f"NaN in float64 too, and finite once the {zero[1]} zero(s) of {zero[0]} are moved "
                     f"off 0: {short} divides by a quantity that is 0 there (0/0, e.g. the norm of an "
                     "all-zero vector)", facts)
+        empty = _empty_average(short, args, kwargs)
+        if empty is not None:
+            facts["averaged_elements"] = empty
+            return ("div_by_zero", f"NaN in float64 too: {short} averages over {empty} element(s) "
+                    f"({'none' if empty == 0 else 'fewer than its correction needs'}), a 0/0", facts)
         summary = _operand_summary(operands)
         return "domain_error", f"NaN in float64 too: an argument outside {short}'s domain{summary}", facts
     zeros = sum(ev.count(v, lambda x: x == 0) for v in operands.values())
@@ -260,6 +265,54 @@ def _generic(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tenso
     if big > 1e30 or not operands:
         return "overflow", f"the result overflows even float64{f' (operands up to {ev.fmt(big)})' if big else ''}", facts
     return "domain_error", f"infinite in float64 too: a pole of {short}{_operand_summary(operands)}", facts
+
+
+_AVERAGES = frozenset({"mean", "nanmean", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss",
+                       "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss"})
+"""Reductions that divide by how many elements they average (the loss functions' ``"mean"`` reduction)."""
+_SPREADS = frozenset({"var", "std", "var_mean", "std_mean"})
+"""Reductions that divide by the count less their correction (Bessel's: n - 1)."""
+
+
+def _empty_average(short: str, args: Any, kwargs: Any) -> int | None:
+    """How many elements a mean-type reduction averaged, when that leaves it nothing to divide by: 0 for a
+    mean (or a mean-reduced loss) of an empty selection, the count for a variance whose count does not
+    exceed its correction (a single element, n - 1 = 0); ``None`` otherwise. Judged over the whole input:
+    an empty mask's mean, a batch with no valid element (docs/diagnosis.md: an empty mean is a division
+    by a zero count)."""
+    name = short.split(".")[0].lstrip("_")
+    if name not in _AVERAGES and name not in _SPREADS:
+        return None
+    first = next((a for a in (args or ()) if isinstance(a, torch.Tensor)), None)
+    if first is None:
+        return None
+    if name in _AVERAGES:
+        reduction = (kwargs or {}).get("reduction", 1)
+        if name not in ("mean", "nanmean") and reduction not in (1, "mean"):
+            return None  # 'sum' / 'none': nothing divided
+        count = int(first.numel()) if name != "nanmean" else int((~torch.isnan(first.detach())).sum())
+        dims = _reduced_dims(args, kwargs) if name in ("mean", "nanmean") else None
+        if dims is not None and first.dim():  # averaged along some dimensions: the smallest count per output
+            count = 1
+            for d in dims:
+                count *= int(first.shape[d])
+        return 0 if count == 0 else None
+    correction = (kwargs or {}).get("correction", 1)
+    correction = 1 if correction is None else float(correction)
+    dims = _reduced_dims(args, kwargs)
+    count = int(first.numel()) if not dims or not first.dim() else 1
+    if dims and first.dim():
+        for d in dims:
+            count *= int(first.shape[d])
+    return count if count - correction <= 0 else None
+
+
+def _reduced_dims(args: Any, kwargs: Any) -> list[int] | None:
+    """The dimensions a reduction's call reduces (``dim`` positional or keyword), ``None`` for all."""
+    dim = (kwargs or {}).get("dim", args[1] if len(args or ()) > 1 and isinstance(args[1], (int, list, tuple)) else None)
+    if dim is None:
+        return None
+    return [dim] if isinstance(dim, int) else list(dim)
 
 
 _NUDGE = 1e-30
