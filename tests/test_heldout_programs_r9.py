@@ -138,25 +138,6 @@ QUIET: dict[str, tuple[Callable[[], Program9], type | None]] = {}
 BETWEEN_TAG: dict[str, str] = {}
 """nonfinite_param cases: the tag of the user's write between steps (checked by the construction test)."""
 XFAIL: dict[str, str] = {
-    "group_lasso_before_forward_structured_pruning_zeroes_a_neuron_through_data[zero_intrusive]": (
-        "nantrace says nonfinite_grad, op None, cause unknown, 'did not reproduce' (transient); right: phase backward, "
-        "aten.sqrt.default at the lasso_sqrt line, grad_singularity (replayable mode gets it). Cause: the penalty on "
-        "the parameters is computed before the model's forward, on the prelude tape; localisation/loss_replay."
-        "_replay_prelude replays the prelude on copies of everything it received, parameters included (copy_all), "
-        "and drops that decoder's requires-grad leaves: replay_step differentiates the loss w.r.t. the real "
-        "parameters and the loss tape's own leaves only, so the penalty's branch reaches no gradient target, its NaN "
-        "is never computed and the step replays finite (no torch.func involved: the jacrev case below is the same "
-        "mechanism)"),
-    "jacobian_penalty_vmap_jacrev_functional_call_blank_input_sqrt[zero_intrusive]": (
-        "nantrace says nonfinite_grad, op None, cause unknown, 'did not reproduce on an identical re-run' (transient); "
-        "right: phase backward, aten.sqrt.default at the jac_sqrt line, grad_singularity (replayable mode gets it). "
-        "Cause: the penalty is computed BEFORE the model's forward, so its calls are on the prelude tape; the tensor "
-        "coming out of vmap(jacrev(...)) enters the tape as a real value (loss_tape.__torch_function__: calls inside a "
-        "transform are not taped), and localisation/loss_replay._replay_prelude replays on copies (copy_all) whose "
-        "requires-grad leaves (the Jacobian's copy) are dropped: replay_step differentiates the loss only w.r.t. the "
-        "parameters and its own decoder's leaves, so the NaN that sqrt's derivative puts into the Jacobian's gradient "
-        "is never seen and the step replays finite. (The same penalty computed after the forward is localised right: "
-        "its copied leaf is in decode.leaves.)"),
     "sam_functional_call_at_perturbed_weights_hinge_all_margins_met_zero_gradient_norm[zero_intrusive]": (
         "nantrace says nonfinite_loss, module '', op None, cause unknown, 'did not reproduce' (transient); right: "
         "aten.div.Tensor at the sam_eps line, module None, zero_variance_norm (replayable mode gets it). Cause: the "

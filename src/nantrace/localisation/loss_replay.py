@@ -145,14 +145,19 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precisi
 
 
 def _replay_prelude(prelude: LossTape, tracer: OpTracer, *, exclude: set[int],
-                    before_write: dict[int, Any] | None = None) -> tuple[dict[int, torch.Tensor], list[list[torch.Tensor]]]:
+                    before_write: dict[int, Any] | None = None,
+                    leaves: list[torch.Tensor] | None = None) -> tuple[dict[int, torch.Tensor], list[list[torch.Tensor]]]:
     """Replay the prelude; map each real output still alive (by id) to its replayed value, except
     the model's own inputs (``exclude``: the replayed forward read the real ones); and the values
     by call (a prelude restored from a bundle has no real tensors to map). ``before_write``: tensors
-    the step's code wrote into after the prelude read them, as they were before (``LossTape.before_write``)."""
+    the step's code wrote into after the prelude read them, as they were before (``LossTape.before_write``).
+    ``leaves``: receives the copies of the parameters the prelude read (a penalty on the weights computed
+    before the forward, a Jacobian term), so that the step's replayed backward reaches that branch too."""
     decode = _Decoder({}, set(), [], tracer.externals, copy_all=True)
     decode.before_write = {**(before_write or {}), **getattr(prelude, "before_write", {})}
     error = _reissue(prelude, decode, tracer)
+    if leaves is not None:
+        leaves.extend(decode.leaves)
     if error is not None:
         raise error
     out: dict[int, torch.Tensor] = {}
@@ -223,7 +228,7 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
         if taped and prelude is not None and prelude.usable:
             try:
                 by_id, decode.prelude_values = _replay_prelude(prelude, tracer, exclude=shared,
-                                                               before_write=decode.before_write)
+                                                               before_write=decode.before_write, leaves=decode.leaves)
                 replaced.update(by_id)
             except Exception:  # noqa: BLE001  the prelude is evidence, not the step: without it, its values count as inputs
                 tracer.flush()
