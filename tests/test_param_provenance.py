@@ -591,7 +591,8 @@ def test_where_the_tracker_is_off_every_step_reads_every_parameter(monkeypatch, 
         assert (prov.full_steps, prov.partial_steps) == (0, 0)  # not tracking: nothing counted
         assert present == [True] * 20
         step_check = [c[:1] for c in counts]  # the step check's call (thorough adds its statistics after it)
-        assert step_check == [[n - 2 + n]] * 20
+        inputs = 1 if cfg.detection.check_inputs else 0  # the model's input, in the same call (its norm)
+        assert step_check == [[n - 2 + n + inputs]] * 20
 
 
 def test_the_thorough_preset_reads_every_parameter():

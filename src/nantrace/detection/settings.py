@@ -33,8 +33,11 @@ class DetectionConfig(SettingsGroup):
     and per-layer parameter norms come from these steps). Between them the parameters are known
     finite from where their values came from: the last read, then only updates proven or checked
     finite; a parameter written outside the optimizer (``load_state_dict``, an in-place op, a new
-    ``.data``) is read at the next step, and any non-finite value in a step has every parameter
-    read before the diagnosis (``detection/param_provenance.py``). 1: every parameter every step."""
+    ``.data``, an in-place write through ``p.data`` that one of the step's tapes saw taken: the alias's
+    own version moved) is read at the next step, and any non-finite value in a step has every parameter
+    read before the diagnosis (``detection/param_provenance.py``; a ``.data`` write no tape saw, with
+    ``record_loss_code=False`` or inside the model's own forward, waits for the next full read unless the
+    step's figures show it). 1: every parameter every step."""
 
     check_updates: bool = True
     """Check the optimizer's own update: an update that makes a parameter or the optimizer state
@@ -101,7 +104,10 @@ class DetectionConfig(SettingsGroup):
     collapse at once."""
 
     scaler_min_scale: float = 1.0
-    """A GradScaler scale below this floor is reported as ``scaler_collapse``."""
+    """A GradScaler scale below this floor is reported as ``scaler_collapse``: on a step the scaler
+    skips, with the skip; on a step it would apply, before the update, which is withheld. A scale the
+    gradients cannot be unscaled from (0, infinite, or one whose float32 reciprocal overflows) is a
+    collapse before the update whatever this floor is."""
 
     scaler_max_drop: float = 1024.0
     """A scale this many times below the level the scaler had found is reported as ``scaler_collapse``."""
