@@ -191,3 +191,76 @@ def test_a_nan_from_inside_the_transform_is_not_blamed_on_the_clipping_code() ->
         (FAIL, "nonfinite_grad", None, "unknown", "skipped")
     assert first.transient is not True
     assert "not taped" in first.details["localisation"], first.details
+
+
+class Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).squeeze(-1)
+
+
+def _meta_step(model: nn.Module, opt: torch.optim.Optimizer, support: Any, query: Any) -> None:
+    """One first-order-free MAML step with a normalised inner update: the fast weights move by a fixed
+    length along the support gradient (written as ``g / ||g||``), and the query loss is taken on them
+    through ``functional_call`` (the model never runs on its own parameters in the outer loss)."""
+    params = dict(model.named_parameters())
+    xs, ys = support
+    inner = ((functional_call(model, params, (xs,)) - ys) ** 2).mean()
+    grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+    norm = torch.sqrt(sum((g * g).sum() for g in grads))
+    fast = {n: p - 0.1 * g / norm for (n, p), g in zip(params.items(), grads)}  # <origin:inner_step>
+    xq, yq = query
+    opt.zero_grad()
+    ((functional_call(model, fast, (xq,)) - yq) ** 2).mean().backward()
+    opt.step()
+
+
+def _task(step: int) -> tuple[Any, Any]:
+    """A sine-regression task: (support, query), each (inputs, targets)."""
+    g = torch.Generator().manual_seed(step)
+    xs, xq = torch.randn(8, 3, generator=g), torch.randn(8, 3, generator=g)
+    return (xs, torch.sin(xs.sum(1))), (xq, torch.sin(xq.sum(1)))
+
+
+def test_a_forward_on_fast_weights_is_replayed_on_them() -> None:
+    """The query forward runs through ``functional_call`` on fast weights the loss code made: the recorder
+    keeps them with the forward (``ForwardRecord.substitutes``; a forward on the model's own parameters
+    keeps none), and the replay runs on the replayed fast weights. A support set the model already fits
+    exactly (a zero support gradient: 0/0 in the normalised inner step) is found at the division."""
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    subs: list[Any] = []
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        def keep(*_: Any) -> None:  # after the guard's own pre-hook, before the step ends and its capture resets
+            if not subs:
+                subs.extend(f.substitutes for f in guard.recorder.capture.forwards)
+
+        opt.register_step_pre_hook(keep)
+        for step in range(FAIL + 2):
+            support, query = _task(step)
+            if step == FAIL:  # the support targets are the model's own predictions: a zero inner gradient
+                with torch.no_grad():
+                    support = (support[0], model(support[0]).detach())
+            _meta_step(model, opt, support, query)
+    names = {n for n, _ in model.named_parameters()}
+    # the support forward ran on the model's own parameters (functional_call with them): nothing to keep
+    assert len(subs) == 2 and subs[0] is None and set(subs[1]) == names
+    first: Any = guard.incidents[0]
+    assert (first.step, first.kind, first.phase, first.op, first.module, first.cause, first.action) == \
+        (FAIL, "nonfinite_loss", "forward", "aten.div.Tensor", None, "zero_variance_norm", "skipped")
+    assert points_at(first.source, __file__, "inner_step"), first.source
+    assert first.transient is False
+
+
+def test_a_plain_forward_records_no_substitutes() -> None:
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        opt.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        assert [f.substitutes for f in guard.recorder.capture.forwards] == [None]
+        opt.step()

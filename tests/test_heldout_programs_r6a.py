@@ -90,14 +90,6 @@ _ONE_HOT = ("nantrace records no incident at all (the exception propagates unexp
 XFAIL: dict[str, str] = {
     "hand_written_label_smoothing_one_hot_of_ignore_index[zero_intrusive]": _ONE_HOT,
     "hand_written_label_smoothing_one_hot_of_ignore_index[replayable]": _ONE_HOT,
-    "maml_functional_call_task_standardisation_sensor_off_task[zero_intrusive]": (
-        "nantrace says op None, module '', cause unknown, 'did not reproduce ... a transient fault' (transient=True); "
-        "right: aten.div.Tensor at the standardise line, module None, zero_variance_norm (as with replayable). The "
-        "query forwards ran through torch.func.functional_call on fast weights the loss code made (NaN), so the "
-        "model's outputs were non-finite and localisation/localiser.py _localise sets wants_tape only when "
-        "outputs_finite is not False: it replays the ForwardRecords alone, with the module's own finite parameters "
-        "(nothing records the parameters functional_call substituted), they are finite, and _not_reproduced calls it "
-        "transient."),
 }
 """name[mode] -> why nantrace is still wrong on it (a strict xfail). Fixed since written: the ZCA case (the derivative
 of a decomposition is now taken through all its outputs: diagnosis/evidence.derivative), the tensor hook (the loss

@@ -138,14 +138,6 @@ QUIET: dict[str, tuple[Callable[[], Program9], type | None]] = {}
 BETWEEN_TAG: dict[str, str] = {}
 """nonfinite_param cases: the tag of the user's write between steps (checked by the construction test)."""
 XFAIL: dict[str, str] = {
-    "sam_functional_call_at_perturbed_weights_hinge_all_margins_met_zero_gradient_norm[zero_intrusive]": (
-        "nantrace says nonfinite_loss, module '', op None, cause unknown, 'did not reproduce' (transient); right: "
-        "aten.div.Tensor at the sam_eps line, module None, zero_variance_norm (replayable mode gets it). Cause: the "
-        "second forward runs through torch.func.functional_call with perturbed weights; step_capture records it as a "
-        "plain forward of the watched model (its args only), so the model's outputs are seen NaN (outputs_finite is "
-        "False, the loss-side replay is skipped in localiser._localise) and rerun.run_unit replays that forward with "
-        "the module's own parameters (_callee(watched, unit)(*args)): finite, hence 'transient'. Nothing notes that "
-        "the forward ran under a parameter substitution"),
 }
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 

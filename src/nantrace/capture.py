@@ -114,6 +114,11 @@ class ForwardRecord:
     """How many loss-code calls the step's tape had kept when this forward began: a replay of the
     whole step issues them first (the real order: a part of the model called on a value the loss
     code made, a micro-batch's forward after the previous one's loss)."""
+    substitutes: dict[str, Any] | None = None
+    """The tensors that stood in for the model's parameters during this call (``torch.func.functional_call``
+    with fast weights: MAML's inner loop, SAM's perturbed weights), by parameter name; ``None`` when the
+    model ran on its own parameters. A replay runs the call with them (replayed where the step's code
+    made them)."""
     module: str = ""
     """The dotted path of the part of the watched model this call ran, ``""`` for the model itself:
     loss code that calls ``model.query_encoder(...)`` or a root method such as ``model.encode(x)``

@@ -87,6 +87,7 @@ class StepRecorder:
                 self.tape.earlier = self.prelude  # a tensor the prelude read and the loss code then writes
         _RECORDERS.add(self)
         self._backward_end = _BackwardEnd(self)
+        self._probe = _first_parameter_slot(watched.root)
         self._input_policy = InputPolicy()
         self.capture = self._new_capture()
         """What has been captured of the step in progress."""
@@ -239,11 +240,27 @@ class StepRecorder:
             record = ForwardRecord(args=args, kwargs=kwargs, rng=RngState.current(), autocast=AutocastState.current(),
                                    buffers=self.buffers.snapshot(), grad_enabled=grad, call_site=user_source(3),
                                    module=path, tape_at=len(self.tape.entries) if self.tape is not None else 0)
+            if not path:
+                record.substitutes = self._substitutes()
             self.capture.forwards.append(record)
             if not grad:
                 self._nograd = record
             elif self.watched.config.detection.check_inputs and not path:  # a part's input may be another part's output
                 self.capture.note_inputs(floating_tensors((args, kwargs)))
+
+    def _substitutes(self) -> dict[str, torch.Tensor] | None:
+        """The tensors standing in for the model's parameters right now (``torch.func.functional_call``
+        swaps them into the modules for the call), or ``None``. One identity test per forward (the first
+        parameter's slot still holds it); all of them are compared only when it does not."""
+        probe = self._probe
+        if probe is None:
+            return None
+        module, name, param = probe
+        if module._parameters.get(name) is param:
+            return None
+        registered = dict(zip(self.watched.param_names, map(id, self.watched.params)))
+        current = dict(self.watched.root.named_parameters(remove_duplicate=False))
+        return {n: t for n, t in current.items() if registered.get(n) not in (None, id(t))} or None
 
     def _end(self, output: Any) -> None:
         if output is None and sys.exc_info()[1] is not None:  # the forward raised (an always-called hook)
@@ -431,6 +448,16 @@ def _callable_parts(root: nn.Module) -> list[tuple[str, nn.Module]]:
                 below.append((path, child))
         level = below
     return parts[:_MAX_PARTS]
+
+
+def _first_parameter_slot(root: nn.Module) -> tuple[nn.Module, str, torch.Tensor] | None:
+    """(module, name, parameter) of the model's first parameter: where a ``functional_call`` substitution
+    shows (the slot holds another tensor while the call runs)."""
+    for module in root.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                return module, name, param
+    return None
 
 
 class _BackwardEnd:

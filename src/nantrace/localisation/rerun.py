@@ -285,6 +285,9 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
         if isinstance(unit, CallRecord):
             with _python_state_kept(unit.fn):
                 result = unit.fn(*args, **kwargs)
+        elif getattr(unit, "substitutes", None):  # the call ran on fast weights (functional_call): so does its replay
+            subs = tree_map_only(torch.Tensor, inputs or _cut, dict(unit.substitutes))
+            result = torch.func.functional_call(_callee(watched, unit), subs, tuple(args), kwargs, strict=False)
         else:
             result = _callee(watched, unit)(*args, **kwargs)
     observed = floating_tensors(result)
