@@ -264,3 +264,15 @@ def test_a_plain_forward_records_no_substitutes() -> None:
         model(torch.randn(4, 3)).sum().backward()
         assert [f.substitutes for f in guard.recorder.capture.forwards] == [None]
         opt.step()
+
+
+def test_a_replaced_parameter_is_no_substitution() -> None:
+    """A parameter the user replaces outright (a re-initialised head) is the model's own from then on:
+    no forward records stand-ins for it, and the one identity test per forward follows the new one."""
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False})) as guard:
+        model.body[0].weight = nn.Parameter(torch.randn(16, 3))  # the first parameter: the one probed
+        opt.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        assert [f.substitutes for f in guard.recorder.capture.forwards] == [None]

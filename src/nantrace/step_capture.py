@@ -256,7 +256,11 @@ class StepRecorder:
         if probe is None:
             return None
         module, name, param = probe
-        if module._parameters.get(name) is param:
+        held = module._parameters.get(name)
+        if held is param:
+            return None
+        if isinstance(held, nn.Parameter):  # the user replaced the parameter itself (no functional_call stand-in):
+            self._probe = (module, name, held)  # probe the new one, so later forwards pay one test again
             return None
         registered = dict(zip(self.watched.param_names, map(id, self.watched.params)))
         current = dict(self.watched.root.named_parameters(remove_duplicate=False))
