@@ -95,7 +95,7 @@ def test_state_and_update_norms_match_a_float64_reference_at_the_top_of_the_rang
     v = (torch.rand(64, 33, generator=g) * top).to(dtype)
     got = tensor_state_stats(m, v, 1e-16).tolist()
     assert got[0] == pytest.approx(float(m.double().norm()), rel=1e-6)
-    assert got[1] == pytest.approx(float(v.double().norm()), rel=1e-6)
+    assert got[1] == float(v.double().max())
     assert got[4] == 0 and all(math.isfinite(x) for x in got)
     v[3, 4] = float("inf")
     m[0, 0] = float("nan")

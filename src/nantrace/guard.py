@@ -500,7 +500,7 @@ class Guard:
             return None
         with contextlib.suppress(AttributeError, TypeError):
             exc._nantrace_seen = True  # type: ignore[attr-defined]
-        if not self.recorder.active:
+        if not (self.recorder.active or self.recorder.prelude_failed):
             return None
         from .localisation.exceptions import diagnose_exception, is_value_message
 

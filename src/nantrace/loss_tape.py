@@ -226,7 +226,8 @@ class LossTape(TorchFunctionMode):
         self.losses: list[Ref] = []
         """Every loss ``backward()`` was called on in the step (one per micro-batch under accumulation)."""
         self.failed: tuple[int, BaseException] | None = None
-        """(index of the call that raised, the exception), when the loss code raised."""
+        """(index of the call that raised, the exception), when the taped code raised (the loss code; the
+        prelude: code before the model's forward)."""
         self._made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.before_write: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """``id`` of each tensor the loss code received, read and then wrote in place -> (the tensor, a copy
@@ -372,9 +373,13 @@ class LossTape(TorchFunctionMode):
         try:
             out = func(*args, **kwargs)
         except Exception as exc:
-            if name not in _READS and len(self.entries) < self.limit and not self.prelude:
+            if name not in _READS and len(self.entries) < self.limit:
+                # the call that raised is kept (a replay re-issues it to see what it rejected); in the prelude too:
+                # a step can die before the model's forward (a timestep index off by one in q_sample)
                 self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2),
                                           self._running_module()))
+                if self.prelude:
+                    self.outputs.append([])
                 self.failed = (len(self.entries) - 1, exc)
                 if self.on_exception is not None:
                     self.on_exception(exc)
@@ -465,6 +470,7 @@ class LossTape(TorchFunctionMode):
         what they read from before now counts as received from outside."""
         self._restarts += 1
         self.entries, self.outputs = [], []
+        self.failed = None
         self.rng_marks = [(0, RngState.current())]
         self.autocast = AutocastState.current()
         self._made = WeakTensorKeyDictionary()

@@ -82,6 +82,7 @@ class StepRecorder:
             self.tape.on_exception = self._exception
             self.tape.module_paths = {id(m): name for name, m in watched.root.named_modules() if name}
         if self.prelude is not None:
+            self.prelude.on_exception = self._exception  # a step that dies before the model's forward
             _PRELUDES.add(self.prelude)
             if self.tape is not None:
                 self.tape.earlier = self.prelude  # a tensor the prelude read and the loss code then writes
@@ -133,6 +134,11 @@ class StepRecorder:
     def active(self) -> bool:
         """Something of the step was captured (a forward of the watched model or a ``replayable`` call)."""
         return bool(self.capture.calls) or any(f.grad_enabled for f in self.capture.forwards)
+
+    @property
+    def prelude_failed(self) -> bool:
+        """The step's code raised before the model's forward, in a taped call (the prelude kept it)."""
+        return self.prelude is not None and self.prelude.failed is not None
 
     def pause_tape(self) -> None:
         if self.prelude is not None:
@@ -410,6 +416,7 @@ class StepRecorder:
         _RECORDERS.discard(self)
         if self.prelude is not None:
             _PRELUDES.discard(self.prelude)
+            self.prelude.on_exception = None
             self.prelude.detach()
         if self.tape is not None:
             self.tape.on_exception = None

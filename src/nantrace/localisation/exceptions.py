@@ -23,6 +23,7 @@ import dataclasses
 import math
 import re
 import traceback
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,7 +58,10 @@ CONSTRAINT = re.compile(
     r"Expected parameter (\w+) .* of distribution (\w+).* to satisfy the constraint (.+?)(?:, but found|$)", re.S)
 """torch.distributions' argument validation: a value check of torch's own, written in Python."""
 INDEX_OPS = {"embedding", "nll_loss_forward", "nll_loss2d_forward", "gather", "index_select", "index", "take",
-             "scatter", "scatter_add", "index_add", "one_hot", "embedding_bag", "_embedding_bag"}
+             "scatter", "scatter_add", "index_add", "one_hot", "embedding_bag", "_embedding_bag", "index_put",
+             "index_put_", "_index_put_impl_", "_unsafe_index"}
+ADVANCED_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index"}
+"""Ops that take their indices as a list, one optional integer tensor per leading dimension (``x[t]``, ``x[i, j]``)."""
 
 
 def is_value_message(message: str) -> bool:
@@ -116,6 +120,9 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
             if replayable:
                 result = _replay_units(watched, units)
                 replay_error, outputs_finite, observed = result
+            elif not units and capture.prelude is not None and capture.prelude.failed is not None:
+                # the step died before the model's forward: its code up to the call that raised is all there is
+                replay_error, outputs_finite = _replay_failed_prelude(capture.prelude, tracer), True
             else:
                 step = replay_step(watched, units, tape, tracer, backward=False, prelude=capture.prelude)
                 replay_error, outputs_finite, observed = step.error, step.model_outputs_finite, []
@@ -171,6 +178,20 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
     if cls.evidence:
         incident.details["evidence"] = {k: (str(v) if isinstance(v, float) else v) for k, v in cls.evidence.items()}
     return True
+
+
+def _replay_failed_prelude(prelude: Any, tracer: OpTracer) -> BaseException | None:
+    """Re-issue the step's code before the model's forward, up to and with the call that raised, under
+    ``tracer`` (which records the failed op and what made its arguments); the replay's own exception."""
+    from .loss_replay import replay_prelude
+
+    try:
+        replay_prelude(prelude, tracer)
+    except Exception as exc:  # noqa: BLE001 - expected: the call that raised raises again
+        return exc
+    finally:
+        tracer.flush()
+    return None
 
 
 def _reached_backward(capture: Any) -> bool:
@@ -549,6 +570,9 @@ def _index_out_of_range(failure: FailedOp) -> Classification | None:
                                   "(a tokenizer or label mapping larger than the model's vocabulary)",
                                   str(weight.dtype).removeprefix("torch."), _stats(failure))
         return None
+    if short in ADVANCED_INDEX_OPS and len(args) > 1 and isinstance(args[0], torch.Tensor) \
+            and isinstance(args[1], (list, tuple)):
+        return _advanced_index_out_of_range(failure, args[0], args[1])
     ints = [a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dtype != torch.bool]
     src = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
     dim = next((a for a in args if isinstance(a, int) and not isinstance(a, bool)), 0)
@@ -559,6 +583,24 @@ def _index_out_of_range(failure: FailedOp) -> Classification | None:
             return Classification("label_out_of_range", failure.op, failure.module, failure.source, failure.phase,
                                   f"indices range {int(idx.min())}..{int(idx.max())} for a dimension of {size}",
                                   str(src.dtype).removeprefix("torch."), _stats(failure))
+    return None
+
+
+def _advanced_index_out_of_range(failure: FailedOp, src: torch.Tensor, indices: Sequence[Any]) -> Classification | None:
+    """``x[t]`` / ``x[i, j] = v``: the k-th index tensor of the list addresses dimension k of ``x`` (``None`` is a
+    full slice there); an integer index outside ``[-size, size)`` of its dimension is what raised. Boolean masks
+    (which cover several dimensions) are left to the generic rule."""
+    for k, idx in enumerate(indices):
+        if not isinstance(idx, torch.Tensor) or idx.is_floating_point() or idx.dtype in (torch.bool, torch.uint8) \
+                or not idx.numel() or k >= src.dim():
+            continue
+        size = src.shape[k]
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -size or hi >= size:
+            where = f"dimension {k} of size {size}" if src.dim() > 1 else f"a tensor of {size} elements"
+            return Classification("label_out_of_range", failure.op, failure.module, failure.source, failure.phase,
+                                  f"indices range {lo}..{hi} for {where}", str(src.dtype).removeprefix("torch."),
+                                  _stats(failure))
     return None
 
 

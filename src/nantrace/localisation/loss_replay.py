@@ -169,6 +169,12 @@ def _replay_prelude(prelude: LossTape, tracer: OpTracer, *, exclude: set[int],
     return out, decode.values
 
 
+def replay_prelude(prelude: LossTape, tracer: OpTracer) -> None:
+    """Re-issue the prelude's calls under ``tracer``; an exception of a call is raised again (the step's
+    code raised before the model's forward: ``localisation.exceptions``)."""
+    _replay_prelude(prelude, tracer, exclude=set())
+
+
 def trace_prelude_inputs(prelude: LossTape, inputs: list[torch.Tensor], tracer: OpTracer) -> OpRecord | None:
     """Where the step's own code before the forward made a non-finite model input: replay the
     prelude under ``tracer`` and return the traced op that made the replayed value of the first of
