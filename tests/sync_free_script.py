@@ -52,6 +52,7 @@ def train(scenario: str, sync_free: bool, rank: int, run_dir: str) -> dict:
                 raised = step
                 break
             reads.append(len([e for e in counter.events if e.where.startswith("nantrace" + os.sep)]))
+    failures = [f"{m.name}: {m.failed!r}" for m in guard.monitors if getattr(m, "failed", None)]
     guard.close()
     flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten() for p in model.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(2)]
@@ -65,7 +66,24 @@ def train(scenario: str, sync_free: bool, rank: int, run_dir: str) -> dict:
         "replicas_equal": bool(torch.equal(gathered[0], gathered[1])),
         "weights": flat.tolist(),
         "device_steps": guard.sync_free.steps if guard.sync_free is not None else 0,
+        "monitor_failures": failures,
+        "adam_stats_match": _adam_stats_match(opt),
     }
+
+
+def _adam_stats_match(opt: torch.optim.Optimizer) -> bool | None:
+    """Under FSDP2: the optimizer-state figures made from each rank's shards and combined across ranks equal
+    those of the whole (gathered) state; ``None`` when the state is not sharded."""
+    from nantrace.dynamics.optimizer_state import combine_shard_stats, shard_state_stats, tensor_state_stats
+
+    states = [opt.state[p] for group in opt.param_groups for p in group["params"] if p in opt.state]
+    if not states or not hasattr(states[0]["exp_avg"], "full_tensor"):
+        return None
+    local = torch.stack([shard_state_stats(s["exp_avg"].to_local(), s["exp_avg_sq"].to_local(), 1e-16) for s in states])
+    combined = combine_shard_stats(local)
+    whole = torch.stack([tensor_state_stats(s["exp_avg"].full_tensor(), s["exp_avg_sq"].full_tensor(), 1e-16)
+                         for s in states])
+    return bool(torch.allclose(combined, whole, rtol=1e-6))
 
 
 def main(scenario: str, policy: str, out_dir: str) -> None:

@@ -58,24 +58,7 @@ JUDGE = Judge(__file__)
 CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
 QUIET: dict[str, Callable[[], Program]] = {}
 _CTC = "keyword_spotter_hand_written_ctc_first_three_word_command_logsumexp"
-XFAIL: dict[str, str] = {
-    f"{_CTC}[zero_intrusive]": (
-        "nantrace: op None, module None, cause unknown, phase backward, source None ('the gradient arriving at the "
-        "model's outputs is already non-finite ... arose in the loss computation'; details: loss_code 'not "
-        "replayable: more than the tape's limit of calls'). Right: backward, aten.logsumexp.default at ctc_lse, "
-        "masked_softmax_all. At fault: loss_tape.MAX_ENTRIES = 256 (src/nantrace/loss_tape.py:37): a hand-written "
-        "dynamic program (3 utterances x 8 frames x ~10 calls) exceeds the per-step cap, so the taped loss code "
-        "is not replayed at all."),
-    f"{_CTC}[replayable]": (
-        "nantrace: phase forward, cause unknown ('the origin op's output was not kept ...; slice took it to a "
-        "finite value'; evidence absorbed_by='slice', intentional_inf=True). Right: phase backward, "
-        "masked_softmax_all: the forward logsumexp made no non-finite value (its -inf row comes from the "
-        "constant -inf initialisation through cat/where/stack), its derivative exp(-inf - (-inf)) is the NaN. "
-        "At fault: the absorption path (tracer._name_absorber, tracer.py:384, and classify.classify's "
-        "'observed_in == backward and not _feeds_user_backward' branch, classify.py:~104) takes a forward "
-        "record whose -inf output was only carried from an intentional -inf for a created non-finite value "
-        "absorbed by a slice; _forward_cause then has no kept output and answers unknown."),
-}
+XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 ORACLE_MODULE = {"graphsage_mean_aggregator_where_guard_isolated_node": "conv1"}
 """Where the oracle (forward birth order) names another module than the contract's gradient rule."""

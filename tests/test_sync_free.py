@@ -310,6 +310,8 @@ def test_two_gloo_ranks_sync_free_matches_sync_with_zero_reads(tmp_path, scenari
         assert free["replicas_equal"] and sync["replicas_equal"]
         assert free["weights"] == sync["weights"]
         assert free["incidents"] == sync["incidents"]
+        for run in (sync, free):  # the optimizer-state monitor works on shards too (combined across ranks)
+            assert run["monitor_failures"] == [] and run["adam_stats_match"] is (True if "fsdp" in scenario else None)
         assert [i[:3] for i in free["incidents"]] == [[bad, free["incidents"][0][1], 1]]
         # healthy steps (the incident's own reads, bundle and localisation, come at its step, or the next when read late)
         assert sync["reads"][:bad] + sync["reads"][bad + 1:] == [1] * 11

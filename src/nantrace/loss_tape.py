@@ -34,8 +34,12 @@ from .capture import AutocastState, RngState
 from .detection.param_provenance import WATCHED_DATA, data_touched
 from .localisation.tracer import user_source
 
-MAX_ENTRIES = 256
-"""Calls kept per step; a loss computation longer than this is not replayed (said so in the diagnosis)."""
+MAX_ENTRIES = 4096
+"""Calls kept per step; a loss computation longer than this is not replayed (said so in the diagnosis). An entry
+holds the call and references to its arguments (a value the tape made is named by position, not held), a few
+hundred bytes: a loss written as a dynamic program (a hand-written CTC or CRF forward algorithm: utterances x frames
+x a handful of calls) or an unrolled rollout runs to a few thousand calls, and each call already pays the mode's
+dispatch whether it is kept or not."""
 _MODULE_FRAMES = 12
 """Frames a kept call looks through for a running submodule's ``forward``."""
 GRADIENT_ENTRIES = 256

@@ -14,6 +14,8 @@ says which.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -185,15 +187,30 @@ def _fits_float32(ref_bad: torch.Tensor | None, float32_rerun_finite: bool | Non
         if ref_bad.numel() else bool(float32_rerun_finite)
 
 
+def _fully_masked_rows(short: str, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """For a softmax-family op (softmax, log_softmax, logsumexp): how many of the rows it reduces are all
+    ``-inf`` (0 for any other op). ``logsumexp`` takes a list of dimensions; the softmaxes one."""
+    if short not in SOFTMAX_OPS or not args or not isinstance(args[0], torch.Tensor) or not args[0].numel():
+        return 0
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+    dims = [dim] if isinstance(dim, int) else [d for d in (dim or ()) if isinstance(d, int)]
+    if not dims or x.dim() == 0:
+        return int(bool(torch.isneginf(x).all()))
+    return int(torch.isneginf(x).all(dim=tuple(dims)).sum())
+
+
 def _with_infinite_operands(rec: OpRecord, short: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                             out: torch.Tensor, mask: torch.Tensor, facts: dict[str, Any]) -> Verdict:
     if short in SOFTMAX_OPS and args and isinstance(args[0], torch.Tensor):
         x = args[0]
-        dim = args[1] if len(args) > 1 and isinstance(args[1], int) else -1
-        rows = int(torch.isneginf(x).all(dim=dim).sum())
+        rows = _fully_masked_rows(short, args, kwargs)
         facts["fully_masked_rows"] = rows
         if rows:
-            return "masked_softmax_all", f"{rows} row(s) of {x.shape[dim]} entries all -inf", facts
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+            dims = [dim] if isinstance(dim, int) else list(dim or ())
+            size = math.prod(x.shape[d] for d in dims) if x.dim() and dims else x.numel()
+            return "masked_softmax_all", f"{rows} row(s) of {size} entries all -inf", facts
     if short in DIV_OPS or short in {"sub", "add", "mul", "rsub", "addcmul", "addcdiv", "sum", "mean", "mm", "bmm",
                                      "addmm", "matmul", "baddbmm", "dot", "where", "lerp", "neg", "_softmax",
                                      "_log_softmax", "logsumexp"} or rec.scalar_nonfinite:
@@ -420,12 +437,20 @@ def _backward_cause(rec: OpRecord, fwd: OpInfo | None, ctx: RuleContext) -> Verd
         absorber = fwd.record.absorbed_by
         if _selected_away(fwd.record):
             return "where_gradient_trap", "the forward value was non-finite in the branch that was not selected", facts
-        # a saturating op (tanh, sigmoid, a clamp) took the forward's non-finite value to a finite one: the
-        # value was born in the forward, by the forward op's own cause
-        cause, detail, facts = _forward_cause(fwd.record, ctx)
-        facts["absorbed_by"] = absorber
-        took = f"{absorber} took it to a finite value" if absorber is not None else "it never reached the loss"
-        return cause, f"{detail}; {took}, its derivative then met it in the backward", facts
+        if fwd.record.creates_nonfinite or fwd.record.output is not None:
+            # a saturating op (tanh, sigmoid, a clamp) took the forward's non-finite value to a finite one: the
+            # value was born in the forward, by the forward op's own cause
+            cause, detail, facts = _forward_cause(fwd.record, ctx)
+            facts["absorbed_by"] = absorber
+            took = f"{absorber} took it to a finite value" if absorber is not None else "it never reached the loss"
+            return cause, f"{detail}; {took}, its derivative then met it in the backward", facts
+        # else the forward op only passed on a non-finite value it received (a -inf of a mask or of a dynamic
+        # program's unreachable states): no value was born there, the NaN is its derivative's, judged at its inputs
+    masked = _fully_masked_rows(short, fwd.args or (), fwd.kwargs or {})
+    if masked:
+        facts["fully_masked_rows"] = masked
+        return "masked_softmax_all", (f"{masked} row(s) whose entries are all -inf: the derivative exp(x - lse) is "
+                                      "exp(-inf - (-inf)) = NaN there"), facts
     out_dtype = rec.output.dtype if rec.output is not None else None
     if ctx.low_precision_finite:  # the float32 re-run decides: it also sees a rounding upstream of the op
         if out_dtype in LOW_PRECISION:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..detection.sentinel import local as local_of
 from ._common import SafeMonitor, is_sampled
 from ._layers import LayerIndex
 from ._readback import DeferredRead, accumulation_dtype, host_value, stack_on
@@ -76,49 +77,71 @@ def _strided_sample(t: torch.Tensor, stride: int) -> torch.Tensor:
     return flat[::stride]
 
 
-def _sum_of_squares64(m: torch.Tensor) -> torch.Tensor:
-    """``‖m‖²``-exact norm in float64. On the CPU a float32 tensor is first reduced by BLAS ``dot`` in float32
-    (a tenth of the float64 kernel's time); only a result that is not finite (a NaN or Inf element, or a finite
-    sum beyond float32's range) is recomputed in float64, so finiteness reads the same as the float64 norm's.
-    A host read of a CPU scalar costs nothing; on other devices the float64 kernel runs directly."""
-    if m.device.type == "cpu" and m.dtype == torch.float32 and m.is_contiguous() and not hasattr(m, "to_local"):
-        flat = m.view(-1)
-        square = torch.dot(flat, flat)
-        if math.isfinite(square.item()):  # a CPU scalar: no queue to drain
-            return square.to(torch.float64).sqrt_()
-    return torch.linalg.vector_norm(m, dtype=accumulation_dtype(m.device))
-
-
 def tensor_state_stats(m: torch.Tensor, v: torch.Tensor, threshold: float) -> torch.Tensor:
     """``[‖m‖, max v, min v, #entries with m != 0 and v < threshold, non-finite]`` for one tensor's
     state, on its device.
 
     ``threshold`` is ``eps² · (1 - β₂ᵗ)``: ``v`` below it means ``sqrt(v̂) < eps``. ``‖m‖`` is accumulated
-    in float64 (:func:`_sum_of_squares64`), so it is finite exactly when ``m`` is; ``v``'s extremes come from
+    in float64, so it is finite exactly when ``m`` is (a float32 ``dot`` would be cheaper, but a finite sum beyond
+    float32's range then needs a second pass decided on the host: a host read the step's budget has no room for); ``v``'s extremes come from
     one ``aminmax`` pass, finite exactly when ``v`` is (a NaN propagates to both). The last figure is 1.0 when
     ``m`` or ``v`` holds a non-finite value. The count is exact up to :data:`UNDERFLOW_SAMPLE` entries and
-    estimated from a strided sample above (scaled to the tensor's size).
+    estimated from a strided sample above (scaled to the tensor's size). A DTensor (FSDP2) is reduced as its
+    local shard (:func:`shard_state_stats`, combined across ranks by the monitor).
     """
+    if hasattr(m, "to_local"):
+        figures = shard_state_stats(m.to_local(), v.to_local(), threshold)
+        figures[0] = figures[0].sqrt()
+        return figures
     acc = accumulation_dtype(m.device)
-    sharded = hasattr(m, "to_local")  # a DTensor (FSDP2): only ops whose sharding rules need no host read
-    n = m.numel()
-    ms, vs, scale = m, v, 1.0
-    if n > UNDERFLOW_SAMPLE and not sharded:
-        stride = -(-n // UNDERFLOW_SAMPLE) | 1
-        ms, vs = _strided_sample(m, stride), _strided_sample(v, stride)
-        scale = n / ms.numel()
+    ms, vs, scale = _sampled(m, v)
     vf = vs.float() if vs.dtype in _LOW_PRECISION else vs
-    bad = ((ms != 0) & (vf < threshold)).sum() if sharded else torch.count_nonzero((vf < threshold).logical_and_(ms != 0))
-    m_norm = _sum_of_squares64(m)
-    if sharded:
-        v_min, v_max = v.amin(), v.amax()
-    else:
-        v_min, v_max = torch.aminmax(v)
-    if sharded or torch.float64 in (m.dtype, v.dtype) or acc != torch.float64:
+    bad = torch.count_nonzero((vf < threshold).logical_and_(ms != 0))
+    m_norm = torch.linalg.vector_norm(m, dtype=acc)
+    v_min, v_max = torch.aminmax(v)
+    if torch.float64 in (m.dtype, v.dtype) or acc != torch.float64:
         nonfinite = (m.numel() - torch.isfinite(m).sum()) + (v.numel() - torch.isfinite(v).sum())
     else:
         nonfinite = ~(torch.isfinite(m_norm) & torch.isfinite(v_min) & torch.isfinite(v_max))
     return torch.stack([m_norm, v_max.to(acc), v_min.to(acc), bad.to(acc) * scale, nonfinite.to(acc)])
+
+
+def _sampled(m: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``m`` and ``v`` as the underflow count reads them: whole, or an evenly strided sample of a large tensor
+    (:data:`UNDERFLOW_SAMPLE`), with the factor that scales a count of the sample to the tensor."""
+    n = m.numel()
+    if n <= UNDERFLOW_SAMPLE:
+        return m, v, 1.0
+    stride = -(-n // UNDERFLOW_SAMPLE) | 1
+    ms, vs = _strided_sample(m, stride), _strided_sample(v, stride)
+    return ms, vs, n / ms.numel()
+
+
+def shard_state_stats(m: torch.Tensor, v: torch.Tensor, threshold: float) -> torch.Tensor:
+    """One rank's shard of a tensor's state (plain local tensors, possibly empty: FSDP2 gives a rank nothing of a
+    small tensor): ``[Σm², max v, min v, underflow count, non-finite count]`` in float64, with no collective, so
+    that no rank can fail alone inside one. An empty shard gives ``[0, -inf, inf, 0, 0]``, which the combination
+    across ranks (:func:`combine_shard_stats`) ignores."""
+    if not m.numel():
+        return torch.tensor([0.0, -math.inf, math.inf, 0.0, 0.0], dtype=torch.float64, device=m.device)
+    ms, vs, scale = _sampled(m, v)
+    vf = vs.float() if vs.dtype in _LOW_PRECISION else vs
+    bad = torch.count_nonzero((vf < threshold).logical_and_(ms != 0)).to(torch.float64) * scale
+    square = torch.linalg.vector_norm(m, dtype=torch.float64).square()
+    v_min, v_max = torch.aminmax(v)
+    nonfinite = (m.numel() - torch.isfinite(m).sum()) + (v.numel() - torch.isfinite(v).sum())
+    return torch.stack([square, v_max.to(torch.float64), v_min.to(torch.float64), bad, nonfinite.to(torch.float64)])
+
+
+def combine_shard_stats(local: torch.Tensor) -> torch.Tensor:
+    """Rows of :func:`shard_state_stats` (one per tensor) combined over the default process group (two
+    all-reduces, every rank at the same sampled step): sums of squares, counts and non-finite counts add up,
+    the extremes are the ranks' extremes; returned in :func:`tensor_state_stats`' layout (the norm's root taken)."""
+    summed = local[:, [0, 3, 4]].contiguous()
+    extremes = torch.stack([local[:, 1], -local[:, 2]], 1).contiguous()
+    torch.distributed.all_reduce(summed)
+    torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
+    return torch.stack([summed[:, 0].sqrt(), extremes[:, 0], -extremes[:, 1], summed[:, 1], summed[:, 2]], 1)
 
 
 @dataclasses.dataclass
@@ -210,6 +233,10 @@ class OptimizerStateMonitor(SafeMonitor):
         entries = self._adam_entries()
         if not entries:
             return None
+        if self.watched.sharded and self.watched.world_size > 1:  # FSDP2: each rank its shards, then combined
+            local = torch.stack([shard_state_stats(local_of(m.detach()), local_of(v.detach()), thr)
+                                 for _, m, v, thr in entries])
+            return step, [e[0] for e in entries], DeferredRead(combine_shard_stats(local))
         device = entries[0][1].device
         stats = [tensor_state_stats(m.detach(), v.detach(), thr) for _, m, v, thr in entries]
         return step, [e[0] for e in entries], DeferredRead(stack_on(stats, device, accumulation_dtype(device)))
