@@ -346,15 +346,52 @@ def _is_square_of(rec: Rec | None) -> bool:
     return rec.op == "aten.mul.Tensor" and len(rec.args) > 1 and rec.args[0] is rec.args[1]
 
 
-def _statistic_behind(i: Input) -> Rec | None:
+def _is_deviation_product(rec: Rec | None) -> bool:
+    """``(x - m1) * (x - m2)`` with the same ``x``: Welford's ``delta * (x - mean)``."""
+    if rec is None or rec.op != "aten.mul.Tensor" or len(rec.inputs) != 2:
+        return False
+    subs = [i.producer for i in rec.inputs]
+    if any(s is None or s.op != "aten.sub.Tensor" or not s.inputs for s in subs):
+        return False
+    a, b = (s.inputs[0].snap for s in subs)
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _positive_divisor(rec: Rec) -> bool:
+    d = rec.args[1] if len(rec.args) > 1 else None
+    if isinstance(d, torch.Tensor):
+        return d.numel() > 0 and bool(((d > 0) & torch.isfinite(d)).all())
+    return isinstance(d, (int, float)) and not isinstance(d, bool) and math.isfinite(d) and d > 0
+
+
+def _statistic_behind(i: Input, hops: int = 0) -> Rec | None:
     """The std/var record a divisor was computed from (through views, casts, sqrt, + eps), if any;
-    also the mean of squares of a root mean square (an RMSNorm written by hand)."""
-    rec, hops = i.producer, 0
-    while rec is not None and hops < 6:
+    also the mean of squares of a root mean square (an RMSNorm written by hand). A pooled or running
+    statistic is one too: through a division by a positive count or constant (``M2 / n``), a buffer's
+    ``copy_``, and a sum whose terms are all >= 0 (every term is then 0 where the sum is), one of them a
+    statistic or Welford's ``delta * (x - mean)``; never through a difference."""
+    rec = i.producer
+    while rec is not None and hops < 64:
         if rec.op in _STATISTICS:
             return rec
         if rec.op in _MEANS and rec.inputs and _is_square_of(rec.inputs[0].producer):
             return rec
+        if rec.op == "aten.add.Tensor" and len(rec.inputs) > 1:
+            if any(bool((t.snap < 0).any()) for t in rec.inputs):
+                return None
+            for t in rec.inputs:
+                if _is_deviation_product(t.producer):
+                    return t.producer
+                found = _statistic_behind(t, hops + 1)
+                if found is not None:
+                    return found
+            return None
+        if rec.op == "aten.copy_.default" and len(rec.inputs) > 1:
+            rec, hops = rec.inputs[1].producer, hops + 1
+            continue
+        if rec.op == "aten.div.Tensor" and rec.inputs and _positive_divisor(rec) and "rounding_mode" not in rec.kwargs:
+            rec, hops = rec.inputs[0].producer, hops + 1
+            continue
         if rec.op not in _TRANSPARENT or not rec.inputs:
             return None
         rec, hops = rec.inputs[0].producer, hops + 1

@@ -61,45 +61,7 @@ RAISES: dict[str, type[BaseException]] = {}
 CONTINUE: dict[str, str] = {}
 """name -> how the loop trains on past the bad batch: ``skip_nonfinite`` or ``catch``."""
 QUIET: dict[str, Callable[[], Program]] = {}
-_AFTER_NOGRAD = (
-    "The bad value is made by the step's own code AFTER a no-grad forward of the watched model and BEFORE its "
-    "grad forward (a prelude call recorded once the prelude resumed, step_capture._after_nograd). Moving the same "
-    "division before the no-grad forward, or dropping that forward, gives the right origin (probe /tmp/r11_ppo_probe.py), "
-    "so the calls recorded after the resume are not linked to the tensors the loss replay receives: the trace ends at "
-    "an argument taken for the batch (classify.classify: origin.external == 'input'). Fix: keep the prelude's calls "
-    "across a no-grad forward as one tape (the no-grad forward's outputs as named call results, as the loss tape "
-    "does), so localiser._made_before_forward can follow a value made after it.")
-XFAIL: dict[str, str] = {
-    "ppo_gae_python_loop_reward_normaliser_switched_on_before_first_reward[zero_intrusive]": (
-        "nantrace: nonfinite_input/data/op None/cause nonfinite_input; right: nonfinite_loss at the reward "
-        "normaliser's division (ppo_reward_norm), zero_variance_norm. " + _AFTER_NOGRAD),
-    "ppo_gae_python_loop_reward_normaliser_switched_on_before_first_reward[replayable]": (
-        "nantrace: cause div_by_zero ('made by div'; op, line, step right); right: zero_variance_norm: the divisor is "
-        "sqrt of the running (Welford) variance of the rewards, all 0. diagnosis/family_rules._statistic looks through "
-        "views, casts, eps and roots only, and stops at the pooled variance's '/ total'. Fix: look through scaling by "
-        "a positive count/constant and sums of nonnegative terms one of which is a var/std (a pooled or running "
-        "variance is still a variance)."),
-    "mrt_beam_search_no_repeat_blocking_decode_longer_than_vocabulary[zero_intrusive]": (
-        "nantrace: nonfinite_input/data ('the batch holds Inf values'); right: masked_softmax_all at the risk "
-        "weights' softmax (mrt_softmax). The beam search's no-grad forwards (L of them, above "
-        "step_capture.NOGRAD_FORWARDS = 4) run before the grad forward; the -inf beam scores made between them reach "
-        "the softmax, and the replay takes them for the batch. " + _AFTER_NOGRAD),
-    **{f"bilstm_crf_forward_algorithm_without_logsumexp_loop_skips_nonfinite_loss[{m}]": (
-        "nantrace: no incident at all; right: nonfinite_loss at step 3, aten.sum overflow at crf_naive_exp. The loop "
-        "skips the non-finite loss before backward(), and the model's outputs are finite (the overflow is in the "
-        "loss code), so neither the step check nor close()'s abandoned-step test (outputs finite) sees anything "
-        "(docs/diagnosis.md: 'a loop that catches a check of its own and trains on is not covered yet'). Fix: when "
-        "a watched forward starts while the previous forward under grad had no backward(), judge the abandoned "
-        "sub-step by the last scalar its loss tape made from those outputs, and replay it if that is non-finite.")
-        for m in ("zero_intrusive", "replayable")},
-    "dqn_nstep_returns_loop_index_past_replay_buffer_end_caught_and_skipped[zero_intrusive]": (
-        "nantrace: no incident; right: exception/label_out_of_range at nstep_index, step 3 (the replayable mode gets "
-        "it). The IndexError is raised by a prelude call (before any forward) and caught by the loop; the prelude "
-        "keeps the call that raised, but nothing reads it unless the exception reaches a hook (close(), excepthook): "
-        "the next batch's prelude starts over and drops it. Fix: when a taped call raises, note it as a pending "
-        "failure (as patches.VALUE_CHECK_FUNCTIONS does for distributions' checks) and diagnose it at the next "
-        "optimizer.step() or close(), replaying the kept prelude up to it."),
-}
+XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 QUIET_XFAIL: dict[str, str] = {}
 

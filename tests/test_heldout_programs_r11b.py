@@ -76,13 +76,6 @@ MASKED: set[str] = set()
 without NaN, and that its input held a row entirely -inf."""
 XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
-_SF_WHY = ("nantrace says cause div_by_zero; right is optimizer_state (docs/diagnosis.md: a zero divisor computed from "
-           "no gradient, parameter or state tensor, only from the settings: weight_sum = sum of lr_max**2 with lr = 0). "
-           "src/nantrace/diagnosis/update_replay.py _OpWatch.__torch_dispatch__ tags a tensor the replay did not make "
-           "(here group['weight_sum'], a 0-dim tensor kept in the param group) as <found>, and _OpWatch._kind returns "
-           "'step' for sources {<found>} (sources non-empty, all in _TAGS), which _cause maps to div_by_zero.")
-for _mode in ("zero_intrusive", "replayable"):
-    XFAIL[f"schedule_free_adamw_tensor_port_lambdalr_warmup_from_zero[{_mode}]"] = _SF_WHY
 
 
 def case(name: str, want: Want, node: str | None = None, fp32_fine: bool = False, masked: bool = False) -> Callable:

@@ -75,14 +75,6 @@ CONTINUE: dict[str, str] = {}
 non-finite loss) or ``catch`` (the exception is caught, the gradients zeroed, the batch skipped)."""
 _BOTH = ("zero_intrusive", "replayable")
 XFAIL: dict[str, str] = {
-    **{f"skip_nonfinite_loss_batch_empty_document_term_frequency[{m}]": (
-        "nantrace: kind nonfinite_activation (op, module, cause, line and step right; action logged; the healthy "
-        "next update landed); right: kind nonfinite_loss: the skipped batch's loss was NaN. diagnosis/triage._nonfinite "
-        "reads loss_finite from the losses that reached backward() (the next batch's, finite) and outputs_finite from "
-        "every forward of the step (the abandoned one's NaN), and reads that as 'the outputs are non-finite but the "
-        "loss and gradients are finite', which is false for this step. Fix: treat a forward whose outputs never "
-        "reached backward() before the next forward as an abandoned sub-step: judge it by its own loss (the last "
-        "scalar the loss tape made from its outputs) and keep it out of the next batch's health.") for m in _BOTH},
 }
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 

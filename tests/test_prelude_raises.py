@@ -177,3 +177,32 @@ def test_a_caught_prelude_error_of_no_value_is_no_incident() -> None:
             opt.step()
     assert skipped == [2]
     assert [(i.step, i.kind) for i in guard.incidents] == [(3, "nonfinite_input")]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_prelude_failure_the_loop_catches_is_diagnosed_and_training_goes_on(name: str) -> None:
+    """The loop catches the error and goes on to the next batch ("skip bad batches"): the failure is diagnosed
+    as it leaves the call (no later hook would see it: the next batch's prelude starts over), the bad batch
+    changed nothing, and the later steps train and are checked as usual."""
+    make, step_fn, batches, error, (op, cause, tag, _) = CASES[name]
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
+    caught = []
+    with guard:
+        for step in range(FAIL + 3):
+            opt.zero_grad()
+            try:
+                loss = step_fn(model, *batches(step))
+            except error:
+                caught.append(step)
+                continue
+            loss.backward()
+            opt.step()
+    assert caught == [FAIL]
+    inc = guard.incidents[0]
+    assert len(guard.incidents) == 1, [(i.kind, i.op) for i in guard.incidents]
+    assert (inc.step, inc.kind, inc.op, inc.cause, inc.action) == (FAIL, "exception", op, cause, "raised")
+    assert points_at(inc.source, __file__, tag), inc.source
+    assert guard.step == FAIL + 2  # every other batch's step counted

@@ -150,7 +150,7 @@ def _surgery(model: Tagger, at: int, busy: int = 0) -> Callable[[int], None]:
     return between
 
 
-@pytest.mark.parametrize("busy", [0, 300])
+@pytest.mark.parametrize("busy", [0, 3100])
 def test_checkpoint_surgery_through_data_is_reported_at_the_next_check(busy):
     from nantrace.loss_tape import PRELUDE_ENTRIES, PRELUDE_RESTARTS
 

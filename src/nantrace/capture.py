@@ -119,6 +119,11 @@ class ForwardRecord:
     with fast weights: MAML's inner loop, SAM's perturbed weights), by parameter name; ``None`` when the
     model ran on its own parameters. A replay runs the call with them (replayed where the step's code
     made them)."""
+    abandoned_loss: tuple[Any, torch.Tensor] | None = None
+    """(the loss tape's :class:`~nantrace.loss_tape.Ref`, the value) of the last scalar the step's code made from
+    this forward before it went on to another forward with no ``backward()`` in between: the loss of a sub-step
+    a loop may have abandoned (``if not torch.isfinite(loss): continue``). Judged by the step's check only when
+    no gradient reached this forward's outputs."""
     module: str = ""
     """The dotted path of the part of the watched model this call ran, ``""`` for the model itself:
     loss code that calls ``model.query_encoder(...)`` or a root method such as ``model.encode(x)``
@@ -256,6 +261,18 @@ class StepCapture:
     def with_forwards(self, forwards: list[ForwardRecord]) -> "StepCapture":
         """A copy of this capture with other forward records (e.g. rescaled inputs), the rest shared."""
         return self._copy(forwards, self.calls)
+
+    def abandoned_sub_step(self, k: int) -> "StepCapture":
+        """The step up to the loss of its forward ``k``, which the step's code made and left without
+        ``backward()`` (:attr:`ForwardRecord.abandoned_loss`): forwards ``0..k`` and the loss tape up to that loss,
+        as a capture a replay can localise (its check: that loss alone)."""
+        record = self.forwards[k]
+        assert record.abandoned_loss is not None and self.tape is not None
+        ref, value = record.abandoned_loss
+        out = self._copy(self.forwards[:k + 1], [])
+        out.tape = self.tape.sub_step(ref.entry + 1, ref)
+        out.losses = [value]
+        return out
 
     def without_calls(self) -> "StepCapture":
         """A copy of this capture without its ``replayable`` calls: the step as zero-code mode sees it

@@ -167,6 +167,8 @@ class StepJudge:
             divergence=self.divergence if cfg.detect_divergence else None,
             lr=next(iter(lrs), None),
         )
+        if (finding is None or finding.kind == "nonfinite_activation") and capture.forwards:
+            finding = abandoned_loss_finding(watched, capture, watched.step) or finding
         agreement = None
         if ranks is not None:
             agreement, finding = self._agree(watched, health, finding, ranks, via_scaler=via_scaler, device=device)
@@ -282,6 +284,37 @@ def _IS_NONE(x: object) -> bool:  # noqa: N802 - used as a map function, like th
 
 def _IS_NOT_NONE(x: object) -> bool:  # noqa: N802
     return x is not None
+
+
+ABANDONED = "abandoned_forward"
+"""``Finding.details`` key: the index of the step's forward whose loss the step's code left non-finite without
+``backward()`` (:func:`abandoned_loss_finding`); localisation replays that sub-step (``StepCapture.abandoned_sub_step``)."""
+
+
+def abandoned_loss_finding(watched: Any, capture: StepCapture, step: int) -> Finding | None:
+    """A sub-step the training loop abandoned: a forward whose outputs no gradient reached, whose loss (the last
+    scalar the step's code made from it before the next forward, ``ForwardRecord.abandoned_loss``) is non-finite.
+    A loop that skips a non-finite loss (``if not torch.isfinite(loss): continue``, Lightning's ``return None``)
+    goes on to the next batch in the same step: the update is that batch's and may be healthy, but the skipped
+    loss is the failure to report. Its value is read only for a forward that kept such a loss and received no
+    gradient (a rare step: the read is not one of a healthy step's). ``None`` without output gradients to tell
+    (``keep_output_grads=False``) or when every such loss is finite."""
+    if not watched.config.localisation.keep_output_grads:
+        return None
+    for k, record in enumerate(capture.forwards):
+        kept = record.abandoned_loss
+        if kept is None or not record.grad_enabled or record.output_grads:
+            continue
+        value = float(kept[1])  # a rare path: an abandoned forward's loss
+        if math.isfinite(value):
+            continue
+        return Finding(step, "nonfinite_loss", "forward", "unknown", None,
+                       f"The loss of a batch in step {step} was {value:g}; the training loop left it without "
+                       "backward() and went on to another batch, whose update is the step's.",
+                       "The loop skipped the batch, so no update used it; the batch or the code that made its loss "
+                       "still needs fixing (the origin below).",
+                       details={ABANDONED: k, "abandoned_loss": value}, benign=True)
+    return None
 
 
 def incident_from_finding(watched: Watched, finding: Finding, health: StepHealth, grads: list[torch.Tensor],

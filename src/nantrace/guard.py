@@ -476,6 +476,12 @@ class Guard:
                 # raised by backward() (anomaly mode's check): the engine has stopped, no forward runs, and a
                 # loop that catches it zeroes the gradients before any later safe point
                 self.diagnose_exception(exc)
+            elif self.recorder.prelude_failed and not self.recorder.in_forward and self._decision is None \
+                    and not self.recorder.active:
+                # raised by the step's code before the model's forward (an index past a replay buffer's end, a
+                # sampler on NaN probabilities): nothing of the step runs yet, and a loop that catches it and goes
+                # on to the next batch would start that batch's prelude over the kept call
+                self.diagnose_exception(exc)
             elif gradient_tape is not None and gradient_tape.recording and self._decision is None:
                 # raised between backward() and optimizer.step() (clip_grad_norm_'s error_if_nonfinite), outside any
                 # forward: safe to replay now, while the gradients are still the step's (a loop that catches it

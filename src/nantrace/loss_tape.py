@@ -44,9 +44,16 @@ _MODULE_FRAMES = 12
 """Frames a kept call looks through for a running submodule's ``forward``."""
 GRADIENT_ENTRIES = 256
 """Calls the gradient tape keeps (the code between ``backward()`` and ``optimizer.step()``)."""
-PRELUDE_ENTRIES = 64
+PRELUDE_ENTRIES = 1024
 """Calls the prelude keeps (the step's code before the model's forward); when it fills, it starts
-over, so the calls nearest the forward are the ones kept."""
+over, so the calls nearest the forward are the ones kept. Long enough for a PPO update's GAE loop or a beam
+search between a no-grad pass and the forward (a few hundred calls); what it keeps alive is bounded by
+:data:`PRELUDE_ALONE_BYTES`, not by this count."""
+PRELUDE_ALONE_BYTES = 256 << 20
+"""Bytes of tensors only the prelude keeps alive (arguments of its calls that the program has dropped: an
+evaluation loop's outputs between two steps) after which it starts over, checked every
+:data:`PRELUDE_CHECK_EVERY` calls."""
+PRELUDE_CHECK_EVERY = 128
 PRELUDE_RESTARTS = 2
 """Start-overs after which the prelude stops recording until the next step (code that runs long
 between two steps, e.g. an evaluation after the last one, pays almost nothing)."""
@@ -253,6 +260,10 @@ class LossTape(TorchFunctionMode):
         random calls in the loss code (noise, dropout, sampling) draw the same values as the real step."""
         """The autocast state the loss code ran under (taken when recording starts)."""
         self.on_exception: Callable[[BaseException], None] | None = None
+        self.last_scalar: tuple[int, torch.Tensor] | None = None
+        """(index, output) of the last kept call whose output is a 0-dim floating tensor (a loss, a penalty):
+        what a forward's loss was when the step's code went on to another forward without a ``backward()``
+        (``StepRecorder``: a loop that skips a non-finite loss)."""
 
     # ------------------------------------------------------------------ the mode stack
     def resume(self, *, lazy: bool = False) -> None:
@@ -323,6 +334,7 @@ class LossTape(TorchFunctionMode):
         self.loss = None
         self.losses = []
         self.failed = None
+        self.last_scalar = None
         if self.before_write:
             self.before_write = {}
             self._snapshot_bytes = 0
@@ -360,7 +372,9 @@ class LossTape(TorchFunctionMode):
         if name in _STOPS:
             self._recording = False
             return func(*args, **kwargs)
-        if self.prelude and len(self.entries) >= self.limit and name not in _READS:
+        if self.prelude and name not in _READS and (len(self.entries) >= self.limit or (
+                len(self.entries) % PRELUDE_CHECK_EVERY == PRELUDE_CHECK_EVERY - 1
+                and self.held_alone_bytes() > PRELUDE_ALONE_BYTES)):
             if self._restarts >= PRELUDE_RESTARTS:
                 self._recording = False
                 self.entries, self.outputs, self._made = [], [], WeakTensorKeyDictionary()
@@ -406,6 +420,8 @@ class LossTape(TorchFunctionMode):
                                   self._running_module()))
         for slot, t in enumerate(outs):
             self._made[t] = Ref(index, slot)
+        if outs and outs[0].dim() == 0 and outs[0].is_floating_point():
+            self.last_scalar = (index, outs[0])
         if self.prelude:
             self.outputs.append([weakref.ref(t) for t in outs])
         return out
@@ -466,6 +482,8 @@ class LossTape(TorchFunctionMode):
         outs = tensors_of(out)
         for slot, t in enumerate(outs):
             self._made[t] = Ref(index, slot)
+        if outs and outs[0].dim() == 0 and outs[0].is_floating_point():
+            self.last_scalar = (index, outs[0])
         if self.prelude:
             self.outputs.append([weakref.ref(t) for t in outs])
 
@@ -501,6 +519,31 @@ class LossTape(TorchFunctionMode):
             return {k: self._encode(v, depth + 1) for k, v in obj.items()}
         return obj
 
+    def held_alone_bytes(self) -> int:
+        """Bytes of the tensors the kept calls hold as arguments that nothing else references any more (the
+        program dropped them; the tape keeps them alive): what keeping these calls costs in memory."""
+        seen: dict[int, list[Any]] = {}
+        stack: list[tuple[Any, int]] = [((e.args, e.kwargs), 0) for e in self.entries]
+        while stack:
+            obj, depth = stack.pop()
+            if isinstance(obj, torch.Tensor):
+                held = seen.get(id(obj))
+                if held is None:
+                    seen[id(obj)] = [obj, 1]
+                else:
+                    held[1] += 1
+            elif depth <= 4 and isinstance(obj, (tuple, list)):
+                stack.extend((v, depth + 1) for v in obj)
+            elif depth <= 4 and isinstance(obj, dict):
+                stack.extend((v, depth + 1) for v in obj.values())
+        total = 0
+        for held in seen.values():
+            t, uses = held
+            # references: one per use in the kept calls, the list above, ``t`` and getrefcount's argument
+            if sys.getrefcount(t) <= uses + 3 and not t.is_nested:
+                total += t.numel() * t.element_size()
+        return total
+
     def ref_of(self, t: torch.Tensor) -> Ref | None:
         """Which kept call made ``t`` (in the step being recorded), if one did."""
         return self._made.get(t)
@@ -525,6 +568,18 @@ class LossTape(TorchFunctionMode):
         if self.failed is not None and self.failed[0] >= n:
             self.failed = None
         self._mark_due = False
+
+    def sub_step(self, n: int, loss: Ref) -> "LossTape":
+        """A copy of the tape that ends after its first ``n`` calls, at ``loss`` (a loss the step's code made and
+        left without ``backward()``): what a replay of that abandoned sub-step re-issues. The tape itself is
+        unchanged."""
+        part = copy.copy(self)
+        part.entries = self.entries[:n]
+        part.rng_marks = [m for m in self.rng_marks if m[0] < n]
+        part.truncated = False
+        part.loss, part.losses = loss, [loss]
+        part.failed = self.failed if self.failed is not None and self.failed[0] < n else None
+        return part
 
     def naming_outputs(self, forwards: Sequence[Any]) -> "LossTape":
         """A copy of the tape whose calls name the model's outputs (the logits, often the largest

@@ -105,6 +105,7 @@ class StepRecorder:
         self._depth = 0  # forwards of the model or its parts running now
         self._parts_used = False  # a part was called from outside the model's forward in this step
         self._loss_end: int | None = None  # the loss tape's length when the step's last backward() began
+        self._backward_since_forward = True  # a backward() ran since the last forward of the model began
         if self.tape is not None:
             self.tape.reset()
         if self.prelude is not None:
@@ -139,6 +140,11 @@ class StepRecorder:
     def prelude_failed(self) -> bool:
         """The step's code raised before the model's forward, in a taped call (the prelude kept it)."""
         return self.prelude is not None and self.prelude.failed is not None
+
+    @property
+    def in_forward(self) -> bool:
+        """A forward of the watched model (or of a part called from the step's code) is running."""
+        return self._depth > 0
 
     def pause_tape(self) -> None:
         if self.prelude is not None:
@@ -242,6 +248,10 @@ class StepRecorder:
             if self._nograd_kept >= NOGRAD_FORWARDS:
                 return
             self._nograd_kept += 1
+        if grad:
+            if self.tape is not None and self.capture.forwards and not self._backward_since_forward:
+                self._note_abandoned()
+            self._backward_since_forward = False
         with untaped():  # this guard's work, not another guard's loss code
             record = ForwardRecord(args=args, kwargs=kwargs, rng=RngState.current(), autocast=AutocastState.current(),
                                    buffers=self.buffers.snapshot(), grad_enabled=grad, call_site=user_source(3),
@@ -253,6 +263,18 @@ class StepRecorder:
                 self._nograd = record
             elif self.watched.config.detection.check_inputs and not path:  # a part's input may be another part's output
                 self.capture.note_inputs(floating_tensors((args, kwargs)))
+
+    def _note_abandoned(self) -> None:
+        """Another forward begins with no ``backward()`` since the last one under grad: keep the last scalar the
+        step's code made from that one's outputs (its loss, perhaps left by a loop that skips a non-finite loss).
+        A siamese step (two forwards, one loss) keeps nothing: no scalar was made between them."""
+        last = next((f for f in reversed(self.capture.forwards) if f.grad_enabled), None)
+        scalar = self.tape.last_scalar if self.tape is not None else None
+        if last is None or scalar is None or scalar[0] < last.tape_at or last.abandoned_loss is not None:
+            return
+        ref = self.tape.ref_of(scalar[1])
+        if ref is not None:
+            last.abandoned_loss = (ref, scalar[1].detach())
 
     def _substitutes(self) -> dict[str, torch.Tensor] | None:
         """The tensors standing in for the model's parameters right now (``torch.func.functional_call``
@@ -317,6 +339,7 @@ class StepRecorder:
         if self.watched.closed or self.watched.replaying:
             return None
         if self.active and (len(_RECORDERS) < 2 or self._reaches_model(loss)):
+            self._backward_since_forward = True
             self.record_loss(loss)
             return self._backward_end
         elif not self.active and self._parts_root is not None and not self._part_handles:
@@ -354,8 +377,15 @@ class StepRecorder:
         """The optimizer steps: the step's code has ended. The tapes pause, and the loss tape forgets the
         calls made after the last ``backward()`` (clipping, logging: the gradient tape's)."""
         self.pause_tape()
-        if self.tape is not None and self._loss_end is not None:
-            self.tape.keep_first(self._loss_end)
+        keep = self._loss_end
+        if not self._backward_since_forward and self.tape is not None and self.capture.forwards:
+            self._note_abandoned()  # the step's last forward went without backward() (a skipped last micro-batch)
+            self._backward_since_forward = True
+            left = self.capture.forwards[-1].abandoned_loss
+            if left is not None and keep is not None:
+                keep = max(keep, left[0].entry + 1)  # its loss code is the abandoned sub-step's, not gradient code
+        if self.tape is not None and keep is not None:
+            self.tape.keep_first(keep)
 
     def _reaches_model(self, loss: torch.Tensor) -> bool:
         """Whether ``loss``'s graph reaches a parameter of the watched model. With several guards

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..localisation.tracer import OpInfo, OpRecord
 from . import evidence as ev
@@ -146,14 +147,20 @@ def _div_rule(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tens
     prod = _producer(ctx, raw)
     kind = short_op(prod.op) if prod is not None else None
     stat = _statistic(ctx, raw)
-    if stat is not None and stat[0] in {"std", "var", "norm", "rms"}:
-        slices = _constant_slices(stat[1])
+    if stat is not None and stat[0] in _SPREAD_KINDS:
+        slices = _constant_slices(stat[1]) if short_op(stat[1].op) in STAT_OPS or not stat[2] else None
         if slices is not None:
             facts["constant_slices"] = slices
         label = {"std": "standard deviation", "var": "variance", "norm": "norm", "rms": "root mean square"}[stat[0]]
+        if stat[2]:
+            label = f"pooled or running {label}"
+            facts["pooled_statistic"] = True
         # a std/variance is 0 on a constant slice; a norm or root mean square only on an all-zero one
         why = ("the slice it was computed over is constant (or has one element)" if stat[0] in {"std", "var"}
                else "the vector it was computed over is all zeros")
+        if stat[2]:
+            why = ("every value it was pooled or accumulated over is the same (each of its non-negative terms is 0)"
+                   if stat[0] in {"std", "var"} else "every vector it was accumulated over is all zeros")
         return ("zero_variance_norm",
                 f"the divisor is a {label} ({short_op(stat[1].op)}) that is 0 on {zeros} element(s): {why}, and no "
                 "eps was added", facts)
@@ -168,32 +175,213 @@ def _first_tensor(info: OpInfo) -> torch.Tensor | None:
     return next((a for a in (info.args or ()) if isinstance(a, torch.Tensor)), None)
 
 
-def _statistic(ctx: RuleContext, t: Any) -> tuple[str, OpInfo] | None:
+def _statistic(ctx: RuleContext, t: Any) -> tuple[str, OpInfo, bool] | None:
     """What kind of statistic computed the divisor ``t``: a std/variance/norm/root mean square
-    (a normalisation), a count of a mask (an empty mean), or None. Looks through views, casts,
-    eps additions and roots."""
+    (a normalisation), a count of a mask (an empty mean), or None; with the op that computed it and
+    whether the divisor combines it with other values (a pooled or running statistic). Looks through
+    views, casts, eps additions and roots, scaling by a positive count or constant, sums and means
+    of non-negative terms one of which is a statistic (a pooled variance, a running mean of
+    variances), and Welford's update ``M2 + delta * (x - mean)``; never through a difference."""
     if ctx.made_by is None or not isinstance(t, torch.Tensor):
         return None
-    info = ctx.made_by.get(t)
-    for _ in range(6):
-        if info is None:
+    found = _StatWalk().of(ctx.made_by.get(t))
+    if found is None:
+        return None
+    if found.combined and found.kind in _SPREAD_KINDS and not _zero_somewhere(found.info):
+        return None  # the zero comes from elsewhere (an underflowing scale): not a zero statistic
+    return found.kind, found.info, found.combined
+
+
+_SPREAD_KINDS = frozenset({"std", "var", "norm", "rms"})
+_VARIANCE_KINDS = frozenset({"std", "var"})
+"""Spreads about a mean: the only statistics that stay statistics through a division by a value computed from
+the data (``M2 / n`` of a running variance). A norm divided by the sum of norms is a share (an importance weight,
+a probability), and its zero is that of a probability: ``div_by_zero``."""
+_NORM_STATS = frozenset({"linalg_vector_norm", "norm", "frobenius_norm", "_cdist_forward", "cdist"})
+_REDUCTIONS = frozenset({"sum", "mean", "count_nonzero"})
+_WALK_DEPTH = 64
+_WALK_NODES = 512
+
+
+@dataclasses.dataclass
+class _Stat:
+    kind: str
+    info: OpInfo
+    combined: bool = False
+    """Reached through a scaling or a sum of several terms, not the statistic's own value."""
+
+
+def _family(kind: str) -> str:
+    return "spread" if kind in _SPREAD_KINDS else kind
+
+
+class _StatWalk:
+    """Provenance of a divisor as a statistic (see :func:`_statistic`): a memoised walk over the
+    ops that made it, each step justified by the values the op received (a scale > 0, terms >= 0),
+    so that a divisor equal to 0 means the statistic found is 0 there."""
+
+    def __init__(self) -> None:
+        self.memo: dict[tuple[int, bool], _Stat | None] = {}
+        self.visits = 0
+
+    def of(self, info: OpInfo | None, depth: int = 0, summed: bool = False) -> _Stat | None:
+        if info is None or depth > _WALK_DEPTH or self.visits > _WALK_NODES:
             return None
+        key = (id(info), summed)
+        if key not in self.memo:
+            self.visits += 1
+            self.memo[key] = None
+            self.memo[key] = self._of(info, depth, summed)
+        return self.memo[key]
+
+    def _of(self, info: OpInfo, depth: int, summed: bool) -> _Stat | None:
         kind = short_op(info.op)
         if kind in STAT_OPS:
-            return ("std" if kind.startswith("std") else "var"), info
-        if kind in {"linalg_vector_norm", "norm", "frobenius_norm", "_cdist_forward", "cdist"}:
-            return "norm", info
-        if kind in {"sum", "mean", "count_nonzero"}:
+            return _Stat("std" if kind.startswith("std") else "var", info)
+        if kind in _NORM_STATS:
+            return _Stat("norm", info)
+        if kind in _REDUCTIONS:
             inner = _parent(info)
             if inner is not None and _is_square(inner):  # squares first: all-zero squares look like a 0/1 mask
-                return "rms", inner
+                return _Stat("rms", inner)
+            below = self.of(inner, depth + 1, True) if kind != "count_nonzero" else None
+            if below is not None and below.kind in _SPREAD_KINDS:  # a mean of variances: a pooled variance
+                return dataclasses.replace(below, combined=True)
             if _is_count(info):
-                return "count", info
+                return _Stat("count", info)
+            return dataclasses.replace(below, combined=True) if below is not None else None
+        if summed and (_is_square(info) or _is_deviation_product(info)):
+            # a term of an accumulation: (x - m)^2 or Welford's delta * (x - mean_new) is a variance's
+            # sum of squares; a square of anything else a root mean square's
+            return _Stat("var" if _is_deviation_product(info) or _centred_square(info) else "rms", info, True)
+        if kind == "copy" and len(info.parents) > 1:  # a running buffer written with ``buf.copy_(new)``
+            return self.of(info.parents[1], depth + 1, summed)
+        if kind == "add":
+            return self._sum(info, depth, summed)
+        if kind in {"mul", "div", "true_divide"}:
+            return self._scaled(info, kind, depth, summed)
+        if kind in PASS_THROUGH:
+            return self.of(_parent(info), depth + 1, summed)
+        return None
+
+    def _sum(self, info: OpInfo, depth: int, summed: bool) -> _Stat | None:
+        """``a + b (+ eps)``: every term >= 0 (so a zero sum is zero in every term), one of them a statistic."""
+        alpha = (info.kwargs or {}).get("alpha", 1)
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:
             return None
-        if kind not in PASS_THROUGH:
+        if any(not (math.isfinite(s) and s >= 0) for s in scalars((info.args or ())[1:])):
+            return None  # adding a negative constant: a difference
+        terms = [a for a in (info.args or ()) if isinstance(a, torch.Tensor)]
+        if any(not _nonnegative(a) for a in terms):
             return None
-        info = _parent(info)
-    return None
+        several = len(terms) > 1
+        found = [self.of(p, depth + 1, summed or several) for p in info.parents]
+        return _combine([f for f in found if f is not None], several)
+
+    def _scaled(self, info: OpInfo, kind: str, depth: int, summed: bool) -> _Stat | None:
+        """A statistic times or divided by a positive constant or count (``M2 / n``, ``var * count``)."""
+        args = info.args or ()
+        if kind != "mul":
+            if (info.kwargs or {}).get("rounding_mode") is not None or not args or not isinstance(args[0], torch.Tensor):
+                return None  # floor division, or a constant divided by the value: not a scaling of it
+            den = args[1] if len(args) > 1 else None
+            if not (_positive(den) if isinstance(den, torch.Tensor) else
+                    isinstance(den, (int, float)) and not isinstance(den, bool) and math.isfinite(den) and den > 0):
+                return None
+            below = self.of(_parent(info), depth + 1, summed)
+            if below is None or (isinstance(den, torch.Tensor) and not _whole(den) and below.kind not in _VARIANCE_KINDS):
+                return None  # a norm over a sum of norms: a share, not a statistic of the data
+            return dataclasses.replace(below, combined=True)
+        if any(not (math.isfinite(s) and s > 0) for s in scalars(args)):
+            return None
+        factors = [a for a in args if isinstance(a, torch.Tensor)]
+        found: list[_Stat] = []
+        for a, p in zip(factors, info.parents):
+            f = self.of(p, depth + 1, summed)
+            if f is not None and f.kind in _VARIANCE_KINDS and _nonnegative(a):
+                found.append(f)  # a variance times a count or a constant (a pooled variance's n_c * var_c)
+            elif _positive(a):
+                continue  # a scale (a count of a non-empty selection included)
+            elif f is not None and f.kind == "count" and _nonnegative(a):
+                found.append(f)  # a count that is 0 somewhere: the product's zero is the count's
+            else:
+                return None  # a factor that is 0 (or negative) somewhere and no statistic
+        return _combine(found, True)
+
+
+def _combine(found: list[_Stat], combined: bool) -> _Stat | None:
+    """The statistic several terms or factors share: ``None`` if there is none or they disagree
+    (a count and a variance). The statistic's own op is preferred to a term of an accumulation."""
+    if not found or len({_family(f.kind) for f in found}) > 1:
+        return None
+    best = next((f for f in found if short_op(f.info.op) in STAT_OPS | _NORM_STATS), found[0])
+    return dataclasses.replace(best, combined=best.combined or combined)
+
+
+def _nonnegative(t: torch.Tensor) -> bool:
+    if t.dtype == torch.bool:
+        return True
+    return not t.is_complex() and not bool((t.detach() < 0).any())
+
+
+def _positive(t: Any) -> bool:
+    if not isinstance(t, torch.Tensor) or t.is_complex() or t.dtype == torch.bool or not t.numel():
+        return False
+    x = t.detach()
+    return bool(((x > 0) & torch.isfinite(x) if x.is_floating_point() else x > 0).all())
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """Integer-valued (a count: a number of elements, of tokens, of steps), whatever its dtype."""
+    if not t.is_floating_point():
+        return True
+    x = t.detach()
+    return bool((x == torch.round(x)).all())
+
+
+def _centred_square(info: OpInfo) -> bool:
+    """``(x - m)^2`` where ``m`` is a mean-type value of the data (a reduction's output, or a statistic): a squared
+    deviation. A squared difference of two data values (the distance between two points) is not one."""
+    parent = _parent(info)
+    if parent is None or short_op(parent.op) != "sub" or len(parent.parents) < 2:
+        return False
+    centre = parent.parents[1]
+    if centre is None:
+        return False
+    kind = short_op(centre.op)
+    while kind in PASS_THROUGH and _parent(centre) is not None:
+        centre = _parent(centre)
+        kind = short_op(centre.op)
+    return kind in _REDUCTIONS or kind in STAT_OPS or kind in {"copy", "lerp", "add", "div", "mul"}
+
+
+def _is_deviation_product(info: OpInfo) -> bool:
+    """``(x - m1) * (x - m2)``: Welford's update of a sum of squared deviations (``delta * (x - mean)``,
+    the mean before and after ``x``), or a squared deviation written as a product."""
+    if short_op(info.op) != "mul" or len(info.parents) != 2 or any(p is None for p in info.parents):
+        return False
+    a, b = info.parents
+    if short_op(a.op) != "sub" or short_op(b.op) != "sub":
+        return False
+    xa, xb = (a.args or (None,))[0], (b.args or (None,))[0]
+    if not isinstance(xa, torch.Tensor) or not isinstance(xb, torch.Tensor):
+        return False
+    return xa is xb or (xa.shape == xb.shape and xa.dtype == xb.dtype and bool(torch.equal(xa, xb)))
+
+
+def _zero_somewhere(info: OpInfo) -> bool:
+    """The statistic's op, run again on what it received, is 0 (or undefined) somewhere."""
+    if info.func is None or getattr(info.func, "_schema", None) is None or info.func._schema.is_mutable:
+        return True
+    try:
+        with torch.no_grad():
+            out = info.func(*(info.args or ()), **(info.kwargs or {}))
+    except Exception:  # noqa: BLE001 - an op that cannot be re-run: keep the provenance's word
+        return True
+    first = next((o for o in tree_leaves(out) if isinstance(o, torch.Tensor)), None)
+    if first is None or not first.is_floating_point():
+        return True
+    return bool(((first == 0) | torch.isnan(first)).any())
 
 
 def _is_square(info: OpInfo) -> bool:

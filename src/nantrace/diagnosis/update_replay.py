@@ -58,10 +58,16 @@ _REDUCTIONS = frozenset({"norm", "linalg_vector_norm", "linalg_matrix_norm", "fr
 _ELEMENTWISE_OVERLOADS = frozenset({"other", "out", "binary_out"})
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _CHAIN_LIMIT = 6
-_GRAD, _PARAM, _FOUND = "<grad>", "<param>", "<found>"
-"""Dataflow tags besides the state tensors' names: this step's gradient, the parameter, and any other
-tensor the update read that it did not make (a module's weight, activations an optimizer kept)."""
-_TAGS = frozenset({_GRAD, _PARAM, _FOUND})
+_GRAD, _PARAM, _FOUND, _SETTING = "<grad>", "<param>", "<found>", "<setting>"
+"""Dataflow tags besides the state tensors' names: this step's gradient, the parameter, a tensor kept
+in the param group among its settings (a tensor learning rate, Schedule-Free's ``weight_sum``), and any
+other tensor the update read that it did not make (a module's weight, activations an optimizer kept)."""
+_TAGS = frozenset({_GRAD, _PARAM, _FOUND, _SETTING})
+_LIFTS = frozenset({"lift_fresh", "lift", "lift_fresh_copy"})
+"""Ops that bring a constant built from Python numbers (``torch.tensor(x)``) into the dispatch."""
+_LIFT_MATCH = 64
+"""A lifted constant of at most this many elements inherits the dataflow of the numbers read to the host
+that it holds (``torch.tensor(t.item())``); otherwise it is a plain constant, computed from no tensor."""
 _SETTINGS_CANDIDATES = 16
 """At most this many numeric settings of a group are tried one by one when blaming one."""
 
@@ -142,12 +148,15 @@ class _OpWatch(TorchDispatchMode):
     which values are statistics (norms, sums) of this step's update, and the decompositions that failed."""
 
     def __init__(self, state: Callable[[], Iterable[tuple[Any, Any]]], *, params: Iterable[torch.Tensor] = (),
-                 grads: Iterable[torch.Tensor] = (), module_of: Callable[[Any], str | None] | None = None) -> None:
+                 grads: Iterable[torch.Tensor] = (), module_of: Callable[[Any], str | None] | None = None,
+                 groups: Callable[[], Iterable[dict[str, Any]]] | None = None) -> None:
         super().__init__()
         self.state = state
         """The replica's (state name, value) pairs (created by the optimizer's first step)."""
+        self.groups = groups
+        """The replica's param groups: the tensors among their settings (any key but ``params``) are settings."""
         self.sources: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-        """Tensor -> names of the state tensors (and tags: gradient, parameter, found) its value was computed from."""
+        """Tensor -> names of the state tensors (and tags: gradient, parameter, setting, found) its value was computed from."""
         self.made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         """Tensors the replay itself made (an op's output)."""
         self.reduced: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -178,9 +187,22 @@ class _OpWatch(TorchDispatchMode):
             return "reduction"
         if not tensors and zeros:  # a plain number: made from a number read off a tensor, or from the settings
             sources = set().union(*(s for v, s in self.read if v == 0.0))
-        if not sources:
+        if _of_settings(sources):  # plain numbers, tensors kept among the group's settings, or both
             return "settings"
         return "state" if sources - _TAGS else "step"
+
+    def _setting_tensors(self) -> set[int]:
+        if self.groups is None:
+            return set()
+        return {id(t) for g in self.groups() for k, v in g.items() if k != "params" for t in _tensors(v)}
+
+    def _lifted(self, inputs: list[torch.Tensor]) -> frozenset[str]:
+        """The dataflow of a constant ``torch.tensor(...)`` made: the numbers read to the host that it holds."""
+        held: set[float] = set()
+        for t in inputs:
+            if t.numel() <= _LIFT_MATCH and not t.is_complex():
+                held.update(float(v) for v in t.detach().reshape(-1).tolist())
+        return frozenset().union(*(s for v, s in self.read if v in held))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
@@ -190,15 +212,20 @@ class _OpWatch(TorchDispatchMode):
             if key not in self.sources.get(value, frozenset()):
                 self.sources[value] = frozenset({key}) | self.sources.get(value, frozenset())
         inputs = _tensors((args, kwargs))
-        for t in inputs:  # a tensor the update found rather than made (a module's weight, kept activations)
-            if t not in self.sources and t not in self.made:
-                self.sources[t] = frozenset({_FOUND})
-        before = [_nonfinite(t) for t in inputs] if len(self.chain) < _CHAIN_LIMIT else []
-        came_from: set[str] = set()
-        for t in inputs:
-            came_from |= self.sources.get(t, frozenset())
         name = op_name(func)
         short = _short(name)
+        lift = short in _LIFTS
+        settings = self._setting_tensors() if not lift and any(
+            t not in self.sources and t not in self.made for t in inputs) else set()
+        for t in inputs:  # a tensor the update found rather than made (a module's weight, kept activations)
+            if t not in self.sources and t not in self.made and not lift:
+                self.sources[t] = frozenset({_SETTING if id(t) in settings else _FOUND})
+        before = [_nonfinite(t) for t in inputs] if len(self.chain) < _CHAIN_LIMIT else []
+        came_from: set[str] = set()
+        if lift:  # torch.tensor(number): made from Python numbers, not found
+            came_from |= self._lifted(inputs)
+        for t in inputs:
+            came_from |= self.sources.get(t, frozenset())
         overload = name.rsplit(".", 1)[-1]
         reduces = short in _REDUCTIONS and not (short in ("max", "min") and overload in _ELEMENTWISE_OVERLOADS)
         of_update = False
@@ -310,7 +337,9 @@ def _replica(optimizer: torch.optim.Optimizer, param: torch.Tensor | None, dtype
         copied = {**group, "params": []}
         if override is not None and override[0] in copied:
             key, index, value = override
-            if index is None:
+            if isinstance(copied[key], torch.Tensor):  # a setting kept as a one-element tensor: a new one
+                copied[key] = torch.full_like(copied[key], value)
+            elif index is None:
                 copied[key] = value
             else:
                 copied[key] = type(copied[key])(value if i == index else v for i, v in enumerate(copied[key]))
@@ -403,7 +432,7 @@ def replay_update(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Upda
     replica, clones = _replica(optimizer, param)
     clone = clones[id(param)]
     watch = _OpWatch(lambda: replica.state.get(clone, {}).items(), params=[clone],
-                     grads=[clone.grad] if clone.grad is not None else [])
+                     grads=[clone.grad] if clone.grad is not None else [], groups=lambda: replica.param_groups)
     with _isolated(replica, clones), watch:
         _raw_step(optimizer)(replica)
     origin = watch.origin
@@ -436,7 +465,7 @@ def step_exception_incident(watched: "Watched", exc: BaseException, history: Seq
     every = [*clones.values(), *originals]
     watch = _OpWatch(lambda: [(k, v) for c in clones.values() for k, v in replica.state.get(c, {}).items()],
                      params=every, grads=[p.grad for p in every if p.grad is not None],
-                     module_of=_module_finder(watched, clones))
+                     module_of=_module_finder(watched, clones), groups=lambda: replica.param_groups)
     raised: BaseException | None = None
     try:
         with _isolated(replica, clones), watch:
@@ -509,8 +538,10 @@ def _conclude(result: UpdateReplay, origin: dict[str, Any], chain: list[dict[str
     states = sorted(origin["bad_sources"] - _TAGS)
     result.denominator_state = states[0] if states else None
     result.cause, result.detail = _cause(origin, result.float32_finite)
-    result.from_settings = bool(origin["bad_numbers"]) or origin["kind"] == "settings"
-    result.domain_of_state = result.cause == "optimizer_state" and origin["kind"] is None and bool(origin["negatives"])
+    result.from_settings = bool(origin["bad_numbers"]) or origin["kind"] == "settings" or (
+        not origin["zeros"] and bool(origin["negatives"]) and _of_settings(origin["bad_sources"]))
+    result.domain_of_state = result.cause == "optimizer_state" and origin["kind"] is None and bool(origin["negatives"]) \
+        and not result.from_settings
     result.module = origin.get("module")
 
 
@@ -527,13 +558,16 @@ def _finite_in_float32(optimizer: torch.optim.Optimizer, param: torch.Tensor) ->
 
 
 def _settings(group: dict[str, Any]) -> list[tuple[str, int | None, float]]:
-    """The group's floating-point settings, one by one (``betas`` as ``betas[0]``, ``betas[1]``)."""
+    """The group's floating-point settings, one by one (``betas`` as ``betas[0]``, ``betas[1]``; one kept as
+    a one-element floating-point tensor, such as a tensor learning rate, too)."""
     out: list[tuple[str, int | None, float]] = []
     for key, value in group.items():
         if key == "params":
             continue
         if isinstance(value, float):
             out.append((key, None, value))
+        elif isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() == 1:
+            out.append((key, None, float(value)))
         elif isinstance(value, tuple) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
             out.extend((key, i, float(v)) for i, v in enumerate(value) if isinstance(v, float))
     return out[:_SETTINGS_CANDIDATES]
@@ -563,6 +597,11 @@ def _blame_settings(optimizer: torch.optim.Optimizer, param: torch.Tensor | None
     return blamed
 
 
+def _of_settings(sources: set[str] | frozenset[str]) -> bool:
+    """A value computed from the group's settings alone: plain numbers and tensors kept among the settings."""
+    return not sources - {_SETTING}
+
+
 def _cause(origin: dict[str, Any], float32_finite: bool | None) -> tuple[str, str]:
     short = origin["short"]
     if origin["bad_numbers"]:  # alpha=inf: a plain number of the update, made from the settings
@@ -583,6 +622,8 @@ def _cause(origin: dict[str, Any], float32_finite: bool | None) -> tuple[str, st
         text = f"{origin['negatives']} {'non-positive' if short in _LOGS else 'negative'} inputs"
         if origin["bad_sources"] - _TAGS:  # a root of a statistic the optimizer keeps, left negative by rounding
             return "optimizer_state", f"{text} in a value of the optimizer's state"
+        if _of_settings(origin["bad_sources"]):  # a root of a value made from the settings alone
+            return "optimizer_state", f"{text}, computed from the optimizer's settings alone (no gradient, parameter or state)"
         return ("log_nonpositive" if short in _LOGS else "sqrt_negative"), text
     if origin["inf"] and not origin["nan"]:
         dtype = origin["dtype"]
@@ -676,8 +717,9 @@ def _settings_fix(settings: list[str]) -> str:
                 "that value, the same update is finite): check where the value comes from (a sweep grid's end point "
                 "such as beta2 = 1, an annealing schedule that reaches 0, a config) and keep it off that value.")
     return ("A value the optimizer's update computes from its settings alone (no gradient, parameter or state "
-            "tensor) is 0 or not finite: check the hyper-parameters for a singular value (beta2 = 1 in a bias "
-            "correction 1 - beta2**t, a temperature or damping of 0).")
+            "tensor) is 0, outside a root's domain or not finite: check the hyper-parameters for a singular value "
+            "(beta2 = 1 in a bias correction 1 - beta2**t, a temperature or damping of 0) and the update rule for a "
+            "guard the reference has (RAdam's rho_t > 5 before its rectification root).")
 
 
 def optimizer_incident(watched: "Watched", failure: "UpdateFailure", history: Sequence[dict[str, Any]]) -> Incident:

@@ -51,6 +51,10 @@ def localise_incident(watched: "Watched", incident: "Incident", capture: StepCap
     failure, and what it traced until then is the evidence (:func:`raised_again`).
     """
     start = time.perf_counter()
+    abandoned = incident.details.get("abandoned_forward")
+    if isinstance(abandoned, int) and abandoned < len(capture.forwards) and capture.tape is not None \
+            and capture.forwards[abandoned].abandoned_loss is not None:
+        capture = capture.abandoned_sub_step(abandoned)  # the sub-step the loop left: its forwards and loss code
     try:
         try:
             _localise(watched, incident, capture, lockstep, raised)
