@@ -70,25 +70,6 @@ QUIET: dict[str, tuple[Callable[[], Program], str]] = {}
 XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 QUIET_XFAIL: dict[str, str] = {}
-_GATHER = ("nantrace said cause domain_error (op aten.gather.default, module None and line right); right: "
-           "label_out_of_range (an index outside the dimension it indexes, docs/diagnosis.md section 3). At fault: "
-           "localisation/exceptions.py _index_out_of_range, generic branch: the indexed tensor is taken as the first "
-           "FLOATING-POINT argument and the index as the first integer one, so an integer table (a vocabulary remap, "
-           "an id lookup) leaves src None (and would take the table itself for the index): no verdict, and "
-           "_outside_domain says domain_error. Fix: per op, the indexed tensor is args[0] whatever its dtype and the "
-           "index the integer tensor argument after it (gather/scatter: args[2], index_select/index_add: args[2], "
-           "take: args[1]), with the dim argument read from the op's schema.")
-XFAIL.update({"tokenizer_swap_vocab_remap_gather_id_past_table[zero_intrusive]": _GATHER,
-              "tokenizer_swap_vocab_remap_gather_id_past_table[replayable]": _GATHER})
-LIGHTNING_XFAIL = (
-    "nantrace said nothing (no incident; last_step of step 3: loss None, grad_norm None); right: nonfinite_loss, "
-    "logged, step 3, aten.log.default in training_step. At fault: guard.py: Lightning runs forward and loss INSIDE "
-    "optimizer.step(closure); _optimizer_pre calls recorder.end_step_code() BEFORE the closure runs, and "
-    "_checked_closure runs the closure then _check_step() with no end_step_code()/_note_abandoned after it, so a "
-    "closure whose forward got no backward (training_step returned None) never has its loss kept "
-    "(ForwardRecord.abandoned_loss) and decision.abandoned_loss_finding finds nothing; the next batch's forward "
-    "is in the next optimizer step. Fix: in _checked_closure, after closure() returns, end the step's code there "
-    "(note the abandoned forward when no backward followed the last grad-mode forward) before _check_step().")
 
 
 def case(name: str, want: Want, loop: str = "plain", raises: type[BaseException] | None = None) -> Callable:
@@ -1170,7 +1151,7 @@ def test_lightning_construction_without_nantrace() -> None:
             assert oracle.first[0] == "aten.log.default" and float(p[5]) == 1.0
 
 
-@pytest.mark.parametrize("mode", [pytest.param("zero_intrusive", marks=pytest.mark.xfail(strict=True, reason=LIGHTNING_XFAIL))])
+@pytest.mark.parametrize("mode", ["zero_intrusive"])
 def test_lightning_training_step_returns_none_on_nonfinite_loss(mode: str) -> None:
     """Lightning runs ``optimizer.step(closure)`` for every batch, the skipped one too (its closure returns None,
     no gradient: SGD updates nothing), so the skipped batch is optimizer step LIGHTNING_FAIL. One incident:

@@ -327,6 +327,7 @@ class Guard:
         def run() -> Any:
             with torch.enable_grad():
                 result = closure()
+            self.recorder.end_step_code()  # the closure's code has ended (a training_step that returned None too)
             self._prepare_update(self._check_step())
             return result
 

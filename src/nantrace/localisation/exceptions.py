@@ -573,6 +573,9 @@ def _index_out_of_range(failure: FailedOp) -> Classification | None:
     if short in ADVANCED_INDEX_OPS and len(args) > 1 and isinstance(args[0], torch.Tensor) \
             and isinstance(args[1], (list, tuple)):
         return _advanced_index_out_of_range(failure, args[0], args[1])
+    slot = _INDEX_SLOT.get(short)
+    if slot is not None and len(args) > slot and isinstance(args[0], torch.Tensor) and isinstance(args[slot], torch.Tensor):
+        return _indexed_out_of_range(failure, short, args[0], args[slot], args[1] if slot == 2 else None)
     ints = [a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dtype != torch.bool]
     src = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
     dim = next((a for a in args if isinstance(a, int) and not isinstance(a, bool)), 0)
@@ -584,6 +587,29 @@ def _index_out_of_range(failure: FailedOp) -> Classification | None:
                                   f"indices range {int(idx.min())}..{int(idx.max())} for a dimension of {size}",
                                   str(src.dtype).removeprefix("torch."), _stats(failure))
     return None
+
+
+_INDEX_SLOT = {"gather": 2, "scatter": 2, "scatter_add": 2, "scatter_reduce": 2, "index_select": 2, "index_add": 2,
+               "take": 1}
+"""Where each indexing op takes its index (``gather(self, dim, index)``, ``take(self, index)``): the indexed tensor is
+``self``, whatever its dtype (an integer lookup table: a vocabulary remap)."""
+
+
+def _indexed_out_of_range(failure: FailedOp, short: str, src: torch.Tensor, idx: torch.Tensor,
+                          dim: Any) -> Classification | None:
+    """An index of ``src`` along ``dim`` (``take``: into the flattened tensor) outside its size."""
+    if idx.is_floating_point() or idx.dtype == torch.bool or not idx.numel():
+        return None
+    if short == "take" or not src.dim():
+        size, where = src.numel(), f"a tensor of {src.numel()} elements"
+    else:
+        d = dim if isinstance(dim, int) and not isinstance(dim, bool) else 0
+        size, where = src.shape[d], f"dimension {d} of size {src.shape[d]}"
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo >= -size and hi < size and not (short in {"gather", "scatter", "scatter_add", "scatter_reduce"} and lo < 0):
+        return None
+    return Classification("label_out_of_range", failure.op, failure.module, failure.source, failure.phase,
+                          f"indices range {lo}..{hi} for {where}", str(src.dtype).removeprefix("torch."), _stats(failure))
 
 
 def _advanced_index_out_of_range(failure: FailedOp, src: torch.Tensor, indices: Sequence[Any]) -> Classification | None:
