@@ -165,7 +165,8 @@ class StepCapture:
     """
 
     __slots__ = ("losses", "forwards", "calls", "_input_extremes", "_pending_inputs", "output_extremes", "inputs_flag",
-                 "outputs_flag", "local_grads_ok", "tape", "prelude", "gradient_tape", "input_policy")
+                 "outputs_flag", "local_grads_ok", "tape", "prelude", "gradient_tape", "input_policy",
+                 "abandoned")
 
     def __init__(self, losses: list[torch.Tensor] | None = None, forwards: list[ForwardRecord] | None = None,
                  calls: list[CallRecord] | None = None, inputs_ok: torch.Tensor | None = None,
@@ -192,6 +193,8 @@ class StepCapture:
         self.gradient_tape = gradient_tape
         """The step's code between ``backward()`` and ``optimizer.step()``, taped (a gradient
         :class:`~nantrace.loss_tape.LossTape`)."""
+        self.abandoned = False
+        """A forward of the step kept the loss its code left without ``backward()`` (:attr:`ForwardRecord.abandoned_loss`)."""
 
     def note_inputs(self, tensors: list[torch.Tensor]) -> None:
         """Keep the forward's floating inputs to be judged by the step's check: no kernel here. The check

@@ -167,7 +167,7 @@ class StepJudge:
             divergence=self.divergence if cfg.detect_divergence else None,
             lr=next(iter(lrs), None),
         )
-        if (finding is None or finding.kind == "nonfinite_activation") and capture.forwards:
+        if capture.abandoned and (finding is None or finding.kind == "nonfinite_activation"):
             finding = abandoned_loss_finding(watched, capture, watched.step) or finding
         agreement = None
         if ranks is not None:

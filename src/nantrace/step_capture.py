@@ -275,6 +275,7 @@ class StepRecorder:
         ref = self.tape.ref_of(scalar[1])
         if ref is not None:
             last.abandoned_loss = (ref, scalar[1].detach())
+            self.capture.abandoned = True
 
     def _substitutes(self) -> dict[str, torch.Tensor] | None:
         """The tensors standing in for the model's parameters right now (``torch.func.functional_call``

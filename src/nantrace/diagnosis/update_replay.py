@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import math
 import sys
@@ -301,40 +302,54 @@ def _failed_param(watched: "Watched", failure: "UpdateFailure") -> torch.Tensor:
     return watched.params[failure.param_index]
 
 
-def _clone_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, dtype: torch.dtype | None) -> dict[Any, Any]:
-    state: dict[Any, Any] = {}
-    for key, value in optimizer.state.get(param, {}).items():
-        if isinstance(value, torch.Tensor):
-            value = value.detach().clone()
-            if value.dtype == param.dtype and dtype is not None:
-                value = value.to(dtype)
-        state[key] = value
-    return state
+def _copy_state(value: Any, keep: set[int], dtype: torch.dtype | None, param_dtype: torch.dtype) -> Any:
+    """The replica's copy of one optimizer-state value: its tensors cloned (cast to ``dtype`` where they
+    are in the parameter's dtype), the containers holding them (a list of preconditioners, a dict) copied,
+    and a parameter of the optimizer (``keep``) kept as itself."""
+    if isinstance(value, torch.Tensor):
+        if id(value) in keep:
+            return value
+        value = value.detach().clone()
+        return value.to(dtype) if dtype is not None and value.dtype == param_dtype else value
+    if isinstance(value, dict):
+        copied = copy.copy(value)  # a defaultdict, an OrderedDict stays one
+        for k, v in value.items():
+            copied[k] = _copy_state(v, keep, dtype, param_dtype)
+        return copied
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_copy_state(v, keep, dtype, param_dtype) for v in value)
+    return value
 
 
-def _clone_param(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.nn.Parameter:
-    cast = dtype or param.dtype
-    clone = torch.nn.Parameter(param.detach().clone().to(cast), requires_grad=param.requires_grad)
-    if param.grad is not None:
-        clone.grad = param.grad.detach().clone().to(cast)
-    return clone
+def _copy_setting(value: Any) -> Any:
+    """A param group's setting as the replica holds it: its containers copied (the step may append to a
+    list kept there), its tensors the same (an in-place write into one is put back by the write guard)."""
+    if isinstance(value, dict):
+        return {k: _copy_setting(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_setting(v) for v in value]
+    return value
 
 
 def _replica(optimizer: torch.optim.Optimizer, param: torch.Tensor | None, dtype: torch.dtype | None = None,
-             override: tuple[str, int | None, float] | None = None) -> tuple[torch.optim.Optimizer, dict[int, torch.nn.Parameter]]:
-    """A shallow copy of ``optimizer`` stepping clones of its parameters (and of their state), no hooks:
-    only ``param``'s group and ``param`` itself, or (``param=None``) every group. ``override`` sets one
-    numeric setting of the copied groups (``(key, index in a tuple or None, value)``). Returns the copy
-    and ``id(original) -> clone``."""
+             override: tuple[str, int | None, float] | None = None) -> tuple[torch.optim.Optimizer, dict[int, torch.Tensor]]:
+    """A shallow copy of ``optimizer``, no hooks, with its own param groups and a copy of the state: only
+    ``param``'s group and ``param`` itself, or (``param=None``) every group. It steps the optimizer's own
+    parameter objects, not clones of them, so code that knows a parameter by its identity (``p is
+    self.row_param``, a dict keyed by the parameter or its ``id``, a module's weight) takes the branch the
+    real step took; :func:`_isolated` puts their values and gradients back (and casts them to ``dtype``
+    for the length of the replay). ``override`` sets one numeric setting of the copied groups (``(key,
+    index in a tuple or None, value)``). Returns the copy and ``id(parameter) -> parameter`` (what it steps)."""
     groups = [g for g in optimizer.param_groups if param is None or any(p is param for p in g["params"])][:1 if param is not None else None]
-    clones: dict[int, torch.nn.Parameter] = {}
+    keep = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    stepped: dict[int, torch.Tensor] = {}
     replica = object.__new__(type(optimizer))
     replica.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})  # not a wrapper of the real step
     replica.state = collections.defaultdict(dict)
     replica.param_groups = []
     for group in groups:
         params = [param] if param is not None else list(group["params"])
-        copied = {**group, "params": []}
+        copied = {k: [] if k == "params" else _copy_setting(v) for k, v in group.items()}
         if override is not None and override[0] in copied:
             key, index, value = override
             if isinstance(copied[key], torch.Tensor):  # a setting kept as a one-element tensor: a new one
@@ -344,16 +359,15 @@ def _replica(optimizer: torch.optim.Optimizer, param: torch.Tensor | None, dtype
             else:
                 copied[key] = type(copied[key])(value if i == index else v for i, v in enumerate(copied[key]))
         for p in params:
-            clone = clones.get(id(p))
-            if clone is None:
-                clone = clones[id(p)] = _clone_param(p, dtype)
+            if id(p) not in stepped:
+                stepped[id(p)] = p
                 if p in optimizer.state:
-                    replica.state[clone] = _clone_state(optimizer, p, dtype)
-            copied["params"].append(clone)
+                    replica.state[p] = {k: _copy_state(v, keep, dtype, p.dtype) for k, v in optimizer.state[p].items()}
+            copied["params"].append(p)
         replica.param_groups.append(copied)
     replica._optimizer_step_pre_hooks = collections.OrderedDict()  # type: ignore[attr-defined]
     replica._optimizer_step_post_hooks = collections.OrderedDict()  # type: ignore[attr-defined]
-    return replica, clones
+    return replica, stepped
 
 
 def _raw_step(optimizer: torch.optim.Optimizer) -> Any:
@@ -363,26 +377,63 @@ def _raw_step(optimizer: torch.optim.Optimizer) -> Any:
 
 
 @contextlib.contextmanager
-def _isolated(replica: torch.optim.Optimizer, clones: dict[int, torch.nn.Parameter]) -> Iterator[None]:
-    """A replay of the update leaves nothing behind: the RNG it draws from (SGLD's noise) and every
-    tensor outside the replica (its cloned parameters, gradients and state are its own) that it writes
-    in place (a module's weight that an optimizer updates through its own reference, K-FAC's
-    ``self.layers``) are put back; its warnings are not shown."""
+def _isolated(replica: torch.optim.Optimizer, stepped: dict[int, torch.Tensor],
+              dtype: torch.dtype | None = None) -> Iterator[None]:
+    """A replay of the update leaves nothing behind. The parameters it steps are the optimizer's own: each
+    one's storage, value and gradient (the tensor and its value) are kept first and put back bit for bit
+    afterwards, also when the step replaced them (``p.data = ...``, ``p.grad = None``); with ``dtype``
+    they are held in that dtype for the length of the replay. The replica's state is its own copy. The RNG
+    it draws from (SGLD's noise) and every other tensor it writes in place (a module's weight or buffer
+    that an optimizer updates through its own reference, K-FAC's ``self.layers``) are put back; its
+    warnings are not shown. Read what the replay made *inside* the block: afterwards it is gone."""
     from ..localisation.rerun import WriteGuard
 
-    devices = sorted({t.device.index or 0 for t in clones.values() if t.device.type == "cuda"})
+    params = list(stepped.values())
+    devices = sorted({t.device.index or 0 for t in params if t.device.type == "cuda"})
+    kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
     guard = WriteGuard()
-    for clone in clones.values():
-        for t in (clone, clone.grad, *replica.state.get(clone, {}).values()):
-            if isinstance(t, torch.Tensor):
+    try:
+        with torch.no_grad():
+            for p in params:
+                grad = p.grad
+                kept.append((p, p.data, p.detach().clone(), grad, None if grad is None else grad.detach().clone()))
+                if dtype is not None and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+                    if grad is not None:
+                        p.grad = grad.detach().to(dtype)
+        for p in params:  # put back whole below: the guard need not keep them
+            for t in (p, p.grad):
+                if isinstance(t, torch.Tensor):
+                    guard.made[t] = True
+        for t in tree_leaves([dict(s) for s in replica.state.values()]):
+            if isinstance(t, torch.Tensor) and id(t) not in stepped:
                 guard.made[t] = True
-    with torch.random.fork_rng(devices=devices), warnings.catch_warnings(), _np_errstate():
-        warnings.simplefilter("ignore")
-        try:
-            with guard:
-                yield
-        finally:
-            guard.restore()
+        with torch.random.fork_rng(devices=devices), warnings.catch_warnings(), _np_errstate():
+            warnings.simplefilter("ignore")
+            try:
+                with guard:
+                    yield
+            finally:
+                guard.restore()
+    finally:
+        with torch.no_grad():
+            for p, data, value, grad, grad_value in reversed(kept):
+                if not _same_place(p, data):  # the step gave it other data, or the replay cast it
+                    p.data = data
+                data.copy_(value)
+                if p.grad is not grad:
+                    p.grad = grad
+                if grad is not None and grad_value is not None:
+                    grad.copy_(grad_value)
+
+
+def _same_place(p: torch.Tensor, data: torch.Tensor) -> bool:
+    """Does ``p`` still hold ``data`` (the same memory, dtype and layout)?"""
+    try:
+        return p.data.data_ptr() == data.data_ptr() and p.dtype == data.dtype and p.shape == data.shape \
+            and p.stride() == data.stride() and p.storage_offset() == data.storage_offset()
+    except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass or layout without them
+        return False
 
 
 @contextlib.contextmanager
@@ -397,7 +448,7 @@ def _np_errstate() -> Iterator[None]:
         yield
 
 
-def _module_finder(watched: "Watched", clones: dict[int, torch.nn.Parameter]) -> Callable[[Any], str | None]:
+def _module_finder(watched: "Watched", clones: dict[int, torch.Tensor]) -> Callable[[Any], str | None]:
     """From a frame inside the replayed step: the watched module the optimizer's code is working on, read
     from the user's frames out to the optimizer's ``step`` (a parameter it holds, ``p``: that parameter's
     module; else a submodule it holds, K-FAC's ``m``)."""
@@ -429,15 +480,15 @@ def _module_finder(watched: "Watched", clones: dict[int, torch.nn.Parameter]) ->
 
 def replay_update(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> UpdateReplay:
     """Replay ``param``'s update (from its current, pre-update values) under op-level checks."""
-    replica, clones = _replica(optimizer, param)
-    clone = clones[id(param)]
-    watch = _OpWatch(lambda: replica.state.get(clone, {}).items(), params=[clone],
-                     grads=[clone.grad] if clone.grad is not None else [], groups=lambda: replica.param_groups)
-    with _isolated(replica, clones), watch:
-        _raw_step(optimizer)(replica)
+    replica, stepped = _replica(optimizer, param)
+    watch = _OpWatch(lambda: replica.state.get(param, {}).items(), params=[param],
+                     grads=[param.grad] if param.grad is not None else [], groups=lambda: replica.param_groups)
+    with _isolated(replica, stepped):
+        with watch:
+            _raw_step(optimizer)(replica)
+        made_nonfinite = _made_nonfinite(replica, param)  # read before the parameter is put back
     origin = watch.origin
-    after = [clone] + [v for v in replica.state.get(clone, {}).values() if isinstance(v, torch.Tensor)]
-    reproduced = origin is not None or any(any(_nonfinite(t)) for t in after)
+    reproduced = origin is not None or made_nonfinite
     result = UpdateReplay(reproduced=reproduced, ops_replayed=watch.ops)
     if param.dtype in _LOW_PRECISION:
         result.float32_finite = _finite_in_float32(optimizer, param)
@@ -460,15 +511,14 @@ def step_exception_incident(watched: "Watched", exc: BaseException, history: Seq
     optimizer = watched.optimizer
     assert optimizer is not None
     start = time.perf_counter()
-    replica, clones = _replica(optimizer, None)
-    originals = [p for g in optimizer.param_groups for p in g["params"]]
-    every = [*clones.values(), *originals]
-    watch = _OpWatch(lambda: [(k, v) for c in clones.values() for k, v in replica.state.get(c, {}).items()],
+    replica, stepped = _replica(optimizer, None)
+    every = list(stepped.values())
+    watch = _OpWatch(lambda: [(k, v) for c in every for k, v in replica.state.get(c, {}).items()],
                      params=every, grads=[p.grad for p in every if p.grad is not None],
-                     module_of=_module_finder(watched, clones), groups=lambda: replica.param_groups)
+                     module_of=_module_finder(watched, stepped), groups=lambda: replica.param_groups)
     raised: BaseException | None = None
     try:
-        with _isolated(replica, clones), watch:
+        with _isolated(replica, stepped), watch:
             _raw_step(optimizer)(replica)
     except Exception as err:  # the step raising again is what the replay is for
         raised = err
@@ -547,14 +597,18 @@ def _conclude(result: UpdateReplay, origin: dict[str, Any], chain: list[dict[str
 
 def _finite_in_float32(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool | None:
     try:
-        replica, clones = _replica(optimizer, param, torch.float32)
-        with _isolated(replica, clones):
+        replica, stepped = _replica(optimizer, param, torch.float32)
+        with _isolated(replica, stepped, torch.float32):
             _raw_step(optimizer)(replica)
+            return not _made_nonfinite(replica, param)
     except Exception:  # the optimizer may insist on its own dtype: no verdict
         return None
-    clone = clones[id(param)]
-    tensors = [clone] + [v for v in replica.state.get(clone, {}).values() if isinstance(v, torch.Tensor)]
-    return not any(any(_nonfinite(t)) for t in tensors)
+
+
+def _made_nonfinite(replica: torch.optim.Optimizer, *params: torch.Tensor) -> bool:
+    """Did the replayed step leave one of ``params`` or a tensor of its state non-finite?"""
+    tensors = [t for p in params for t in (p, *tree_leaves(dict(replica.state.get(p, {})))) if isinstance(t, torch.Tensor)]
+    return any(any(_nonfinite(t)) for t in tensors)
 
 
 def _settings(group: dict[str, Any]) -> list[tuple[str, int | None, float]]:
@@ -586,13 +640,13 @@ def _blame_settings(optimizer: torch.optim.Optimizer, param: torch.Tensor | None
             continue
         moved = 1e-3 if value == 0 else value * (1 - 1e-3)
         try:
-            replica, clones = _replica(optimizer, param, override=(key, index, moved))
-            with _isolated(replica, clones):
+            replica, stepped = _replica(optimizer, param, override=(key, index, moved))
+            with _isolated(replica, stepped):
                 _raw_step(optimizer)(replica)
+                healthy = not _made_nonfinite(replica, *stepped.values())
         except Exception:
             continue
-        tensors = [t for c in clones.values() for t in (c, *replica.state.get(c, {}).values()) if isinstance(t, torch.Tensor)]
-        if not any(any(_nonfinite(t)) for t in tensors):
+        if healthy:
             blamed.append(f"{key}{f'[{index}]' if index is not None else ''} = {value:g}")
     return blamed
 
@@ -653,7 +707,8 @@ def _texts(watched: "Watched", failure: "UpdateFailure", replay: UpdateReplay, s
     made = "non-finite" if failure.nonfinite_params else f"its {state or 'state'} non-finite"
     what = f"optimizer.step() ({opt}) made parameter '{failure.param_name}' {made} at step {watched.step}"
     if replay.op is None:
-        how = ("; a replay of the update from the same values stayed finite" if not replay.reproduced
+        how = ("; a replay of the update from the same values stayed finite, so no op of it could be blamed"
+               if not replay.reproduced
                else "; no single op of the replayed update could be named")
     else:
         via = f", computed from {replay.denominator_state}" if replay.denominator_state else ""
@@ -738,7 +793,9 @@ def optimizer_incident(watched: "Watched", failure: "UpdateFailure", history: Se
     bad_state = [s["state"] for s in failure.nonfinite_state if s["param"] == failure.param_name]
     state = bad_state[0] if bad_state else replay.denominator_state
     kind = "nonfinite_param" if failure.nonfinite_params else "optimizer_state"
-    cause = replay.cause if replay.reproduced else "optimizer_state"
+    # no positive cause without evidence: a replay that stayed finite (or could not run) shows no op, state
+    # tensor or setting that made the update non-finite
+    cause = replay.cause if replay.reproduced and replay_error is None else "unknown"
     eps = group.get("eps")
     # one eps, or several (Adafactor's (eps1, eps2)): the first its dtype cannot hold
     eps_note = next((note for e in (eps if isinstance(eps, (tuple, list)) else (eps,))
@@ -768,6 +825,12 @@ def optimizer_incident(watched: "Watched", failure: "UpdateFailure", history: Se
         details["float32_replay_finite"] = replay.float32_finite
     if replay_error is not None:
         details["localisation_error"] = replay_error
+    if cause == "unknown":
+        details["missing"] = ("the replay of the update raised, so no op of it was checked" if replay_error else
+                              "a replay of the update from the same parameter, gradient, state and settings stayed "
+                              "finite, so no op, state tensor or setting could be shown to make it non-finite "
+                              "(the real update may have read something the replay did not: another thread's or "
+                              "device's write, a value changed between the step and its replay)")
     from ..reporting import new_incident
 
     incident = new_incident(watched, kind=kind, phase="optimizer", module=module, cause=cause, summary=summary,
