@@ -443,15 +443,14 @@ def _ppo_long() -> Program:
 
 
 XFAIL["ppo_prelude_behaviour_logprob_then_2250_call_gae_loop_beyond_prelude_window[zero_intrusive]"] = (
-    "nantrace said op aten.mul.Tensor (the loss line `(ratio * adv)`), cause inf_arithmetic, action skipped; right: "
-    "aten.log.default at ppo_old_logp, log_nonpositive (replayable mode gets it). The log is ~2,250 calls before the "
-    "forward, past the prelude's 1,024-call window (loss_tape prelude, documented), so old_logp enters the loss "
-    "replay as an external -inf; the origin search (localisation/origin.py) then takes the mul where the inf met "
-    "a 0 for the origin although the inf it received came through exp/sub from that external -inf. Fix (general): "
-    "an infinity that traces back to an input the replay did not make (not a -inf mask/fill) ends the search at "
-    "that input: report it as received from untaped step code (cause unknown, saying the prelude window was "
-    "exceeded), never an op downstream of it; or keep, beyond the window, the calls whose outputs are still alive "
-    "and read by the loss code.")
+    "nantrace says op None, module None, source None, phase None, cause unknown, action skipped, with details "
+    "received_from_untaped_code (arg1 of aten.sub.Tensor at the `ratio` line received Inf values no replayed op made; "
+    "the step's code before the forward ran more calls than the prelude keeps): it no longer blames the mul that only "
+    "received the infinity (localiser._received_from_untaped_code, origin.applied_as_mask: a subtracted -inf is no "
+    "mask). That is what the contract allows when the evidence is missing (API.md `unknown`; the prelude's 1,024-call "
+    "window is documented), so it is no wrong answer; but the right one stays aten.log.default at ppo_old_logp, "
+    "log_nonpositive (replayable mode gets it), reachable only if the prelude keeps, beyond its window, the calls whose "
+    "outputs are still alive and read by the loss code (loss_tape.py). Kept strict until then.")
 
 
 # ======================================================= 4. softmax / logsumexp over an all -inf row

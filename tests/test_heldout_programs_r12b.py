@@ -84,10 +84,7 @@ _CLONE_IDENTITY = (
     "identity test `p is self.row_param` is False in the replay, it takes the plain-SGD branch, the update stays "
     "finite (replay.reproduced False), and the incident builder in update_replay.py (`cause = replay.cause if "
     "replay.reproduced else 'optimizer_state'`) falls back to optimizer_state.")
-XFAIL: dict[str, str] = {
-    "ctr_frequency_adaptive_sgd_item_counts_reset_at_epoch_boundary[zero_intrusive]": _CLONE_IDENTITY,
-    "ctr_frequency_adaptive_sgd_item_counts_reset_at_epoch_boundary[replayable]": _CLONE_IDENTITY,
-}
+XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 
 

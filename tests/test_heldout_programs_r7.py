@@ -1258,12 +1258,6 @@ def _street_count_first() -> Program:
 
 # ======================================================================= where nantrace is wrong
 _WHY: dict[str, tuple[tuple[str, ...], str]] = {
-    "multitask_hook_rescales_aux_gradient_by_loss_ratio_over_zero": (("zero_intrusive",),
-        "nantrace: phase backward, op aten.mul.Tensor at the hook's line, cause inf_arithmetic (details: "
-        "intentional_inf); right: phase forward, aten.div.Tensor at the ratio line, div_by_zero (as replayable "
-        "says). The taped hook (a lambda) is registered again on the replayed tensor, but its closure still holds the "
-        "REAL step's ratio (inf): the tracer sees an infinity entering from outside the replay, takes it for an "
-        "intentional one, and names the multiplication instead of the replayed division that made it."),
 }
 XFAIL.update({f"{name}[{mode}]": why for name, (modes, why) in _WHY.items() for mode in modes})
 XFAIL["partial_labels_hook_on_model_output_normalises_zero_gradient[zero_intrusive]"] = XFAIL[

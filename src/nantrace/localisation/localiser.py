@@ -384,6 +384,11 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
                 # what went bad first in the step's dataflow is the model's input (a -inf there passed the capture's
                 # mask rule; the replay shows an op made it, no mask): as for an input made bad in the prelude
                 incident.kind = "nonfinite_input"
+    if origin.external is not None and origin.external.external == "input" and _prelude_forgot_calls(capture):
+        # no kept call made it, but the step's code before the forward ran more calls than the prelude keeps: the
+        # batch is blamed only when the prelude saw all of that code (as for _made_before_forward)
+        _received_from_untaped_code(incident, origin)
+        return
     cls = classify(origin, observed_in=observed_in, low_precision_finite=finite32, param_modules=param_modules(watched),
                    ignored_targets=tracer.ignored_targets if tracer is not None else None,
                    made_by=tracer.made_by if tracer is not None else None, history=incident.history,
@@ -558,6 +563,44 @@ def _made_before_forward(watched: "Watched", capture: StepCapture, units: list[A
     tracer, start = made
     origin = trace_back(start)
     return (origin, tracer) if origin.external is None and origin.record is not None else None
+
+
+def _prelude_forgot_calls(capture: StepCapture) -> bool:
+    """Whether the step's code before the model's forward ran more calls than the prelude keeps (its last
+    ``PRELUDE_ENTRIES``; it started over, or stopped recording, this step): a tensor no kept call made may then have
+    been made by a call it forgot, so it is no longer evidence that the value came with the batch."""
+    return capture.prelude is not None and getattr(capture.prelude, "_restarts", 0) > 0
+
+
+def _received_from_untaped_code(incident: "Incident", origin: Origin) -> None:
+    """The trace ends at a non-finite tensor that no replayed op made, received by ``origin.record`` (a forward
+    argument or a value the loss code read) in a step whose prelude forgot calls (:func:`_prelude_forgot_calls`):
+    it may have been made by the step's code before the forward that was not taped, or come with the batch. No op,
+    module, line or phase can be named, and no op downstream of it is blamed for only receiving it: cause
+    ``unknown``, saying which evidence is missing and naming the argument. The kind is the triage's."""
+    from ..loss_tape import PRELUDE_ENTRIES
+
+    ref, rec = origin.external, origin.record
+    assert ref is not None
+    values = "NaN" if ref.nan else "Inf"
+    receiver = f"{ref.position} of {rec.op}" + (f" at {rec.source}" if rec is not None and rec.source else "") \
+        if rec is not None else ref.position
+    incident.op = incident.module = incident.source = incident.phase = None
+    incident.cause = "unknown"
+    incident.chain = chain_summary(origin)
+    incident.details["received_from_untaped_code"] = {"argument": ref.position, "op": rec.op if rec else None,
+                                                      "source": rec.source if rec else None, "values": values}
+    incident.details["localisation"] = (
+        f"{receiver} received {values} values that no replayed op made, and the step's code before the model's "
+        f"forward ran more torch calls than the prelude keeps (its last {PRELUDE_ENTRIES}): they came from code that "
+        "was not taped (beyond the prelude's window), or with the batch; which, and the op that made them, cannot be "
+        "established")
+    incident.summary = (f"At step {incident.step} {receiver} received {values} values from outside the replayed code: "
+                        "the step's code before the model's forward ran more torch calls than nantrace's prelude keeps "
+                        f"({PRELUDE_ENTRIES}), so the op that made them could not be replayed and named.")
+    incident.fix = ("Wrap the step's computation, the code before the model's forward included, with "
+                    "guard.replayable(fn) so nantrace can replay it whole and name the op and line; or check the "
+                    "value where that code makes it (torch.isfinite) before it reaches the loss.")
 
 
 def _made_in_prelude(watched: "Watched", capture: StepCapture, unit: Any,

@@ -132,6 +132,17 @@ def _inf_sources(op: OpRecord) -> list[tuple[OpRecord | InputRef, list[OpRecord]
     return found
 
 
+def applied_as_mask(ref: InputRef, consumer: OpRecord) -> bool:
+    """Whether ``ref``, an operand of ``consumer`` that the tracer took for a ``-inf`` mask (a tensor from outside
+    whose only non-finite values are ``-inf``, read by a masking op), was applied as one: its ``-inf`` stays ``-inf``
+    there. The subtracted operand of a subtraction is negated (``x - t``: ``-inf`` becomes ``+inf``), so it is a
+    value the code used, not a mask it applied (a log-probability of 0 subtracted in an importance ratio)."""
+    if not ref.mask:
+        return False
+    name = consumer.op.split(".")[1] if consumer.op.count(".") >= 2 else consumer.op
+    return not (name == "sub" and ref.position in ("arg1", "other"))
+
+
 def backward_start(records: list[OpRecord]) -> OpRecord | None:
     """Where to start the origin rule for a failure seen in the gradients: the first backward op
     whose non-finite output reached what was observed. A value that went no further (masked by an
@@ -173,7 +184,7 @@ def trace_back(start: OpRecord) -> Origin:
     sources = _inf_sources(cur)
     for src, trail in sources:  # an infinite parameter or batch value is the origin (a -inf mask input is not)
         if isinstance(src, InputRef) and src.external and (src.external.startswith("param:") or (
-                src.external == "input" and not src.mask)):
+                src.external == "input" and not applied_as_mask(src, trail[-1] if trail else cur))):
             return Origin(record=trail[-1] if trail else cur, chain=(path + trail)[::-1], nan_creator=nan_creator, external=src)
     overflows = [(src, trail) for src, trail in sources if isinstance(src, OpRecord) and src.creates_nonfinite
                  and not src.is_constant]

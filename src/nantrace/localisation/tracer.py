@@ -16,7 +16,7 @@ import functools
 import os
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -436,6 +436,10 @@ class OpTracer(TorchDispatchMode):
         self.ops_seen = 0
         self.failure: FailedOp | None = None
         """The op that raised during the replay (a failure that raises instead of producing NaN)."""
+        self.twin: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+        """Set by a replay of taped code: the replayed value standing for a real tensor of the step (one the step's
+        code made, held where no replay reaches it: a hook's closure, a loss object's attribute), so that a
+        non-finite value entering that way is traced to the replayed op that made its twin."""
         self.module_override: str | None = None
         """The submodule a re-issued call ran in (a watched submodule called from the loss code), used
         when no module of the replay is running."""
@@ -663,6 +667,10 @@ class OpTracer(TorchDispatchMode):
                 else:
                     nan, inf = _nan_inf(t)
                 producer = (self.producer.get(t) or self._writer(t)) if (nan or inf) else None
+                if producer is None and (nan or inf) and self.twin is not None and id(t) not in self.externals:
+                    twin = self.twin(t)
+                    if twin is not None:
+                        producer = self.producer.get(twin) or self._writer(twin)
                 external = None
                 mask = False
                 if (nan or inf) and producer is None:
