@@ -376,6 +376,14 @@ def _statistic_behind(i: Input, hops: int = 0) -> Rec | None:
             return rec
         if rec.op in _MEANS and rec.inputs and _is_square_of(rec.inputs[0].producer):
             return rec
+        if rec.op in ("aten.stack.default", "aten.cat.default") and rec.inputs:
+            # per-group statistics gathered: a statistic only when every gathered piece is one
+            pieces = [_statistic_behind(t, hops + 1) for t in rec.inputs]
+            return pieces[0] if all(p is not None for p in pieces) else None
+        if rec.op in _MEANS and rec.inputs and rec.inputs[0].producer is not None \
+                and rec.inputs[0].producer.op in ("aten.stack.default", "aten.cat.default"):
+            rec, hops = rec.inputs[0].producer, hops + 1  # a mean of gathered statistics: a pooled one
+            continue
         if rec.op == "aten.add.Tensor" and len(rec.inputs) > 1:
             if any(bool((t.snap < 0).any()) for t in rec.inputs):
                 return None

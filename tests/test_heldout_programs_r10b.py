@@ -61,7 +61,7 @@ from test_programs import Want
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning",
                                          "ignore::RuntimeWarning"),
-              pytest.mark.usefixtures("one_thread")]
+              pytest.mark.usefixtures("one_thread", "distributions_validate")]  # an earlier torch.compile turns validation off
 
 HERE = os.path.abspath(__file__)
 JUDGE = Judge(__file__)

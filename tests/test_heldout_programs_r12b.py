@@ -65,7 +65,7 @@ from test_programs import Want
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning",
                                          "ignore::RuntimeWarning"),
-              pytest.mark.usefixtures("one_thread")]
+              pytest.mark.usefixtures("one_thread", "distributions_validate")]  # an earlier torch.compile turns validation off
 
 JUDGE = Judge(__file__)
 FAIL_STEP, STEPS = 3, 5

@@ -1476,6 +1476,10 @@ def _case_line() -> tuple[int | None, str | None]:
     return None, None
 
 
+_UNINITIALISED = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"}
+"""Ops whose output is uninitialised memory (filled by the next op, a ``bernoulli_``): a NaN there is garbage, not a
+value the program made (whether one shows depends on what the allocator hands back)."""
+
 class FirstBad(TorchDispatchMode):
     """The first op of a step that made a NaN from NaN-free inputs, or an infinity from finite inputs (an explicit
     infinite constant argument excepted): op, phase, line of this file, watched module, autograd node."""
@@ -1499,7 +1503,7 @@ class FirstBad(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.first is None:
+        if self.first is None and func._schema.name.split("::")[1] not in _UNINITIALISED:
             ins, outs = _floats((args, kwargs)), _floats(out)
             if func._schema.is_mutable:  # an in-place op: what it wrote
                 outs = outs + [a for a in _floats(args)]

@@ -272,6 +272,24 @@ def _spectrum_check(batches: list[Any]) -> None:
     assert int((rng == 0).sum()) == 1
 
 
+# ----------------------------------------------------------------- 6. per-group variances stacked, then pooled
+def _stacked_group_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Group-normalised embeddings, the groups' variances gathered with ``torch.stack`` and averaged."""
+    x, y = batch
+    emb = model(x)
+    per_group = torch.stack([emb[y == c].var(0, unbiased=False) for c in range(3)])
+    z = emb / per_group.mean(0).sqrt()  # <origin:stacked_group_var>
+    return z.pow(2).mean() + F.cross_entropy(emb[:, :3], y)
+
+
+# ----------------------------------------------------------------- 7. negative: per-segment counts stacked
+def _stacked_count_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    src, tgt, src_mask, tgt_mask = batch
+    nll = F.cross_entropy(model(src).flatten(0, 1), src.flatten(), reduction="none") * src_mask.flatten()
+    valid = torch.stack([src_mask.sum(), tgt_mask.sum()]).sum()
+    return nll.sum() / valid  # <origin:stacked_count>
+
+
 # ----------------------------------------------------------------- the cases
 @dataclasses.dataclass
 class Case:
@@ -295,6 +313,10 @@ CASES: dict[str, Case] = {
                                            "div_by_zero", _token_check),
     "minmax_range_flat_spectrum": Case(SpectrumNet, _spectrum_batches, _spectrum_loss, "scale", "minmax_range",
                                        "div_by_zero", _spectrum_check),
+    "stacked_group_variances_duplicated_batch": Case(Encoder, _class_batches, _stacked_group_loss, None,
+                                                     "stacked_group_var", "zero_variance_norm", _class_check),
+    "stacked_segment_counts_all_padding": Case(TinyLM, _token_batches, _stacked_count_loss, None, "stacked_count",
+                                               "div_by_zero", _token_check),
 }
 
 

@@ -261,7 +261,7 @@ class LossTape(TorchFunctionMode):
         """The autocast state the loss code ran under (taken when recording starts)."""
         self.on_exception: Callable[[BaseException], None] | None = None
         self.last_scalar: tuple[int, torch.Tensor] | None = None
-        """(index, output) of the last kept call whose output is a 0-dim floating tensor (a loss, a penalty):
+        """(index, output) of the last kept call whose output is a 0-dim floating tensor with grad (a loss, a penalty):
         what a forward's loss was when the step's code went on to another forward without a ``backward()``
         (``StepRecorder``: a loop that skips a non-finite loss)."""
 
@@ -420,8 +420,8 @@ class LossTape(TorchFunctionMode):
                                   self._running_module()))
         for slot, t in enumerate(outs):
             self._made[t] = Ref(index, slot)
-        if outs and outs[0].dim() == 0 and outs[0].is_floating_point():
-            self.last_scalar = (index, outs[0])
+        if outs and outs[0].requires_grad and outs[0].dim() == 0 and outs[0].is_floating_point():
+            self.last_scalar = (index, outs[0])  # a loss (a value without grad, a metric or a detached copy, is none)
         if self.prelude:
             self.outputs.append([weakref.ref(t) for t in outs])
         return out
@@ -482,8 +482,8 @@ class LossTape(TorchFunctionMode):
         outs = tensors_of(out)
         for slot, t in enumerate(outs):
             self._made[t] = Ref(index, slot)
-        if outs and outs[0].dim() == 0 and outs[0].is_floating_point():
-            self.last_scalar = (index, outs[0])
+        if outs and outs[0].requires_grad and outs[0].dim() == 0 and outs[0].is_floating_point():
+            self.last_scalar = (index, outs[0])  # a loss (a value without grad, a metric or a detached copy, is none)
         if self.prelude:
             self.outputs.append([weakref.ref(t) for t in outs])
 

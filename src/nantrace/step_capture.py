@@ -273,7 +273,7 @@ class StepRecorder:
         if last is None or scalar is None or scalar[0] < last.tape_at or last.abandoned_loss is not None:
             return
         ref = self.tape.ref_of(scalar[1])
-        if ref is not None:
+        if ref is not None and self._reaches_model(scalar[1]):  # not another model's loss (a GAN's D on G(z).detach())
             last.abandoned_loss = (ref, scalar[1].detach())
             self.capture.abandoned = True
 

@@ -254,6 +254,9 @@ class _StatWalk:
             # a term of an accumulation: (x - m)^2 or Welford's delta * (x - mean_new) is a variance's
             # sum of squares; a square of anything else a root mean square's
             return _Stat("var" if _is_deviation_product(info) or _centred_square(info) else "rms", info, True)
+        if kind in {"stack", "cat"} and info.parents:  # per-group statistics gathered (then pooled by a mean)
+            found = [self.of(p, depth + 1, summed) for p in info.parents]
+            return _combine(found, True) if all(f is not None for f in found) else None  # type: ignore[arg-type]
         if kind == "copy" and len(info.parents) > 1:  # a running buffer written with ``buf.copy_(new)``
             return self.of(info.parents[1], depth + 1, summed)
         if kind == "add":

@@ -489,7 +489,7 @@ class OpTracer(TorchDispatchMode):
                 module = self._backward_module(node)
             source = hand if node is not None else user_source(3)
             info = OpInfo(op=name, module=module, source=source, index=self.index, args=kept[0], kwargs=kept[1],
-                          func=func, parents=[self.made_by.get(a) for a in args if isinstance(a, torch.Tensor)])
+                          func=func, parents=self._parents(args))
             short = func._schema.name.split("::")[-1]
             if node is None and short in _NLL_FORWARD:
                 self._note_ignored_targets(args)
@@ -631,6 +631,16 @@ class OpTracer(TorchDispatchMode):
                 for p in module.parameters(recurse=False):
                     self._owners.setdefault(id(p), name)
         return self._owners.get(id(leaf))
+
+    def _parents(self, args: tuple[Any, ...]) -> list[OpInfo | None]:
+        """The ops that made an op's tensor arguments: its positional tensors in order, then the tensors of its
+        list arguments (``torch.stack``/``torch.cat`` of per-group statistics), so provenance goes through them."""
+        made_by = self.made_by
+        parents = [made_by.get(a) for a in args if isinstance(a, torch.Tensor)]
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                parents.extend(made_by.get(t) for t in a if isinstance(t, torch.Tensor))
+        return parents
 
     def _backward_module(self, node: Any) -> str | None:
         """The module of an op the user's code issues during backward: the running module (a
