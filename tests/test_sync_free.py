@@ -255,7 +255,8 @@ def test_divergence_firing_ranges_agree_with_the_detector_itself():
     the detector fed the value): every verdict the same on random runs that grow, fluctuate and spike."""
     rnd = random.Random(0)
     agree = fired = 0
-    for _ in range(120):
+    runs = 60  # 36,000 verdicts compared (each against a deep copy of the detector: the test's whole cost)
+    for _ in range(runs):
         det = DivergenceDetector(min_steps=4, min_factor=4.0)
         mode = rnd.choice(["noise", "grow", "growgrad", "spiky"])
         loss, g = 2.0, 1.0
@@ -278,7 +279,7 @@ def test_divergence_firing_ranges_agree_with_the_detector_itself():
                 agree += 1
                 fired += reference
             det.update(step, loss, g, 1e-3)
-    assert agree == 120 * 100 * 6 and fired > 5000  # the verdicts that fire are well represented
+    assert agree == runs * 100 * 6 and fired > 2500  # the verdicts that fire are well represented
 
 
 RANK1 = {  # scenario -> (bad step, rank 1's incident: kind, cause, op, module)
