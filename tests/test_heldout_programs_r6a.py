@@ -79,17 +79,7 @@ STEPS = 5
 JUDGE = Judge(__file__)
 
 CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
-_ONE_HOT = ("nantrace records no incident at all (the exception propagates unexplained); right: kind exception, "
-            "aten.one_hot.default at the one_hot line, label_out_of_range (-100 labels). F.one_hot is "
-            "CompositeImplicitAutograd: its 'Class values must be non-negative' check fires in C++ after the "
-            "dispatched aten.aminmax/_local_scalar_dense returned, so localisation/tracer.py OpTracer never sets "
-            "`failure` (it only catches a dispatched op that raises) and localisation/exceptions.py diagnose_exception"
-            " returns False ('failure is None and ... constraint is None'); even with a FailedOp, "
-            "_index_out_of_range's generic branch needs a floating source tensor and would not judge an integer input "
-            "against one_hot's num_classes.")
 XFAIL: dict[str, str] = {
-    "hand_written_label_smoothing_one_hot_of_ignore_index[zero_intrusive]": _ONE_HOT,
-    "hand_written_label_smoothing_one_hot_of_ignore_index[replayable]": _ONE_HOT,
 }
 """name[mode] -> why nantrace is still wrong on it (a strict xfail). Fixed since written: the ZCA case (the derivative
 of a decomposition is now taken through all its outputs: diagnosis/evidence.derivative), the tensor hook (the loss

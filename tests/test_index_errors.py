@@ -1,7 +1,8 @@
 """An index outside the dimension it addresses raises; the incident is ``label_out_of_range`` at the indexing op,
 whatever the indexed tensor's dtype (an integer lookup table: a vocabulary remap, a label map) and wherever the
 index sits in the op's arguments (``gather(self, dim, index)``, ``index_select(self, dim, index)``,
-``take(self, index)``, ``x[i, j]``). An index in range whose op raises for another reason is no such incident."""
+``take(self, index)``, ``x[i, j]``, ``F.one_hot(labels, num_classes)``, whose check runs above the dispatcher: the
+call that raised again in the replay is named). An index in range whose op raises for another reason is no such incident."""
 
 from __future__ import annotations
 
@@ -37,6 +38,16 @@ def bucket_2d(ids: torch.Tensor) -> torch.Tensor:
     return BUCKETS[ids % 3, ids // 2]  # <origin:advanced>
 
 
+def one_hot_targets(ids: torch.Tensor) -> torch.Tensor:
+    labels = torch.where(ids == 3, torch.full_like(ids, -100), ids) % 8  # (-100 % 8 = 4: a label stays in range)
+    return F.one_hot(torch.where(ids == 8, ids, labels), 8).argmax(-1)  # <origin:one_hot>
+
+
+def one_hot_ignore_index(ids: torch.Tensor) -> torch.Tensor:
+    labels = torch.where(ids == 8, torch.full_like(ids, -100), ids)  # the dataset's ignore index, one-hot encoded by hand
+    return F.one_hot(labels, 8).argmax(-1)  # <origin:one_hot_ignore>
+
+
 class Tagger(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -52,6 +63,9 @@ CASES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str, str, type[Ba
     "index_select_integer_table": (remap_index_select, "aten.index_select.default", "index_select", IndexError),
     "take_integer_table": (remap_take, "aten.take.default", "take", IndexError),
     "advanced_index_second_dimension": (bucket_2d, "aten.index.Tensor", "advanced", IndexError),
+    # F.one_hot checks its labels in C++ above the dispatcher (no dispatched op raises): the call itself is named
+    "one_hot_label_past_the_classes": (one_hot_targets, "aten.one_hot.default", "one_hot", RuntimeError),
+    "one_hot_of_the_ignore_index": (one_hot_ignore_index, "aten.one_hot.default", "one_hot_ignore", RuntimeError),
 }
 
 

@@ -37,7 +37,7 @@ from .loss_replay import replay_step
 from .modules import ModuleStack
 from .origin import _TRIVIAL, Origin, chain_summary, trace_back
 from .rerun import output_ok, rerun_scope, run_unit
-from .tracer import (FailedOp, InputRef, OpInfo, OpRecord, OpTracer, _all_finite, _is_library, _nan_inf, format_source,
+from .tracer import (CallFailureWatch, FailedOp, InputRef, OpInfo, OpRecord, OpTracer, _all_finite, _is_library, _nan_inf, format_source,
                      tensor_stats)
 
 if TYPE_CHECKING:
@@ -116,7 +116,8 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
         tracer = OpTracer(modules, externals)
         if checked is not None:  # the replay's tensors like the value a Python check rejected, kept to find its twin
             tracer.made_by = _KeepingLike(tracer.made_by, checked)
-        with modules, tracer:
+        calls = CallFailureWatch(tracer)
+        with modules, tracer, calls:
             if replayable:
                 result = _replay_units(watched, units)
                 replay_error, outputs_finite, observed = result
@@ -127,7 +128,7 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
                 step = replay_step(watched, units, tape, tracer, backward=False, prelude=capture.prelude)
                 replay_error, outputs_finite, observed = step.error, step.model_outputs_finite, []
         records.extend(tracer.records)
-        failure = tracer.failure
+        failure = tracer.failure or _same_failure(calls.failed, exc)
         if not outputs_finite:  # the model's own outputs went bad before any check raised
             model_start = next((r for r in tracer.records if r.phase == "forward" and r.out_nan), None)
     error = exc if exc is not None else replay_error
@@ -192,6 +193,14 @@ def _replay_failed_prelude(prelude: Any, tracer: OpTracer) -> BaseException | No
     finally:
         tracer.flush()
     return None
+
+
+def _same_failure(failed: FailedOp | None, exc: BaseException | None) -> FailedOp | None:
+    """A call of the replay that raised above the dispatcher (a composite's own check), when it is the real step's
+    failure again: the same exception type and message."""
+    if failed is None or exc is None:
+        return None
+    return failed if type(failed.error) is type(exc) and str(failed.error) == str(exc) else None
 
 
 def _reached_backward(capture: Any) -> bool:
@@ -573,6 +582,8 @@ def _index_out_of_range(failure: FailedOp) -> Classification | None:
     if short in ADVANCED_INDEX_OPS and len(args) > 1 and isinstance(args[0], torch.Tensor) \
             and isinstance(args[1], (list, tuple)):
         return _advanced_index_out_of_range(failure, args[0], args[1])
+    if short == "one_hot" and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+        return _one_hot_out_of_range(failure, args[0], args[1] if len(args) > 1 else failure.kwargs.get("num_classes", -1))
     slot = _INDEX_SLOT.get(short)
     if slot is not None and len(args) > slot and isinstance(args[0], torch.Tensor) and isinstance(args[slot], torch.Tensor):
         return _indexed_out_of_range(failure, short, args[0], args[slot], args[1] if slot == 2 else None)
@@ -593,6 +604,19 @@ _INDEX_SLOT = {"gather": 2, "scatter": 2, "scatter_add": 2, "scatter_reduce": 2,
                "take": 1}
 """Where each indexing op takes its index (``gather(self, dim, index)``, ``take(self, index)``): the indexed tensor is
 ``self``, whatever its dtype (an integer lookup table: a vocabulary remap)."""
+
+
+def _one_hot_out_of_range(failure: FailedOp, labels: torch.Tensor, classes: Any) -> Classification | None:
+    """``F.one_hot(labels, num_classes)``: a negative label (an ignore index such as -100) or one past the classes."""
+    if not labels.numel():
+        return None
+    lo, hi = int(labels.min()), int(labels.max())
+    n = classes if isinstance(classes, int) and not isinstance(classes, bool) and classes > 0 else None
+    if lo >= 0 and (n is None or hi < n):
+        return None
+    return Classification("label_out_of_range", failure.op, failure.module, failure.source, failure.phase,
+                          f"labels range {lo}..{hi}" + (f" for {n} classes" if n is not None else " (must be >= 0)"),
+                          None, _stats(failure))
 
 
 def _indexed_out_of_range(failure: FailedOp, short: str, src: torch.Tensor, idx: torch.Tensor,

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -356,6 +357,32 @@ class FailedOp:
     index: int
     parents: "list[OpInfo | None]" = dataclasses.field(default_factory=list)
     """The forward ops that made its tensor arguments (e.g. the decomposition whose ``info`` a check raised on)."""
+
+
+class CallFailureWatch(TorchFunctionMode):
+    """During a replay, the first torch call that raised with no dispatched op failing under it: a composite
+    whose own check fires in C++ above the dispatcher (``F.one_hot``'s "Class values must be non-negative"), which
+    the op tracer (a dispatch mode) never sees raise. Kept as a :class:`FailedOp` named after the call."""
+
+    def __init__(self, tracer: "OpTracer") -> None:
+        super().__init__()
+        self.tracer = tracer
+        self.failed: FailedOp | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:
+            tracer = self.tracer
+            if self.failed is None and tracer.failure is None:
+                name = getattr(func, "__name__", None) or str(func)
+                self.failed = FailedOp(op=f"aten.{name}.default", func=None, phase="forward",
+                                       module=tracer.modules.current if tracer.modules.current is not None
+                                       else tracer.module_override, source=user_source(2),
+                                       inputs=tracer._input_refs(args, kwargs, None), args=args, kwargs=kwargs,
+                                       error=exc, index=tracer.index + 1, parents=tracer._parents(args))
+            raise
 
 
 def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
