@@ -418,12 +418,7 @@ class LossTape(TorchFunctionMode):
         index = len(self.entries)
         self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2),
                                   self._running_module()))
-        for slot, t in enumerate(outs):
-            self._made[t] = Ref(index, slot)
-        if outs and outs[0].requires_grad and outs[0].dim() == 0 and outs[0].is_floating_point():
-            self.last_scalar = (index, outs[0])  # a loss (a value without grad, a metric or a detached copy, is none)
-        if self.prelude:
-            self.outputs.append([weakref.ref(t) for t in outs])
+        self._note_outputs(index, outs)
         return out
 
     def _before_write_of(self, t: torch.Tensor) -> None:
@@ -480,10 +475,15 @@ class LossTape(TorchFunctionMode):
         self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), source,
                                   None if self.gradients or self.prelude else self._running_module()))
         outs = tensors_of(out)
+        self._note_outputs(index, outs)
+
+    def _note_outputs(self, index: int, outs: list[torch.Tensor]) -> None:
+        """The outputs of the kept call ``index``: named by position for a replay, the last loss-like scalar noted
+        (a 0-dim floating tensor with grad; a metric or a detached copy is none), the prelude's kept weakly."""
         for slot, t in enumerate(outs):
             self._made[t] = Ref(index, slot)
         if outs and outs[0].requires_grad and outs[0].dim() == 0 and outs[0].is_floating_point():
-            self.last_scalar = (index, outs[0])  # a loss (a value without grad, a metric or a detached copy, is none)
+            self.last_scalar = (index, outs[0])
         if self.prelude:
             self.outputs.append([weakref.ref(t) for t in outs])
 

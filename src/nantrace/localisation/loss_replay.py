@@ -197,13 +197,21 @@ def _unit_input(decode: _Decoder, tape: LossTape | None, value: torch.Tensor) ->
     """A replayed forward's argument: an earlier forward's or the loss code's replayed value when one
     made it (one graph, as in the real step), else the real tensor, cut from a graph made outside the
     replay (another guard's model, untaped code)."""
-    replayed = decode.replaced.get(id(value))
+    replayed = _twin_of(decode, tape, value)
     if replayed is not None:
         return replayed
-    ref = tape.ref_of(value) if tape is not None else None
-    if ref is not None and ref.entry < len(decode.values):
-        return decode.values[ref.entry][ref.slot]
     return value.detach() if value.grad_fn is not None else value
+
+
+def _twin_of(decode: _Decoder, tape: LossTape | None, real: torch.Tensor) -> torch.Tensor | None:
+    """The replayed value of a real tensor the step's code made (by the prelude, or by a call the loss tape kept)."""
+    replayed = decode.replaced.get(id(real))
+    if replayed is not None:
+        return replayed
+    ref = tape.ref_of(real) if tape is not None else None
+    if ref is not None and ref.entry < len(decode.values) and ref.slot < len(decode.values[ref.entry]):
+        return decode.values[ref.entry][ref.slot]
+    return None
 
 
 def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tracer: OpTracer, *,
@@ -229,30 +237,7 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
                            **(getattr(prelude, "before_write", {}) if prelude is not None else {})}  # the earliest copy
     taped = tape is not None and bool(tape.entries)
     done = 0  # the tape's calls re-issued so far
-    earlier_twin, tracer.twin = tracer.twin, functools.partial(_twin_of, decode, tape)
-    try:
-        return _replay_step(watched, units, tape, tracer, backward=backward, together=together, prelude=prelude,
-                            full_precision=full_precision, until=until, replaced=replaced, shared=shared,
-                            unit_outputs=unit_outputs, decode=decode, taped=taped, done=done)
-    finally:
-        tracer.twin = earlier_twin
-
-
-def _twin_of(decode: _Decoder, tape: LossTape | None, real: torch.Tensor) -> torch.Tensor | None:
-    """The replayed value of a real tensor the step's code made (by the prelude, or by a call the loss tape kept)."""
-    replayed = decode.replaced.get(id(real))
-    if replayed is not None:
-        return replayed
-    ref = tape.ref_of(real) if tape is not None else None
-    if ref is not None and ref.entry < len(decode.values) and ref.slot < len(decode.values[ref.entry]):
-        return decode.values[ref.entry][ref.slot]
-    return None
-
-
-def _replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tracer: OpTracer, *, backward: bool,
-                 together: bool, prelude: LossTape | None, full_precision: bool, until: int | None,
-                 replaced: dict[int, torch.Tensor], shared: set[int], unit_outputs: list[list[torch.Tensor]],
-                 decode: _Decoder, taped: bool, done: int) -> StepResult:
+    tracer.twin = functools.partial(_twin_of, decode, tape)  # real tensors held where the replay does not reach
     outputs_finite = True
     with torch.enable_grad():
         if taped and prelude is not None and prelude.usable:
