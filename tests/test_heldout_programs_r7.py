@@ -1260,14 +1260,6 @@ def _street_count_first() -> Program:
 _WHY: dict[str, tuple[tuple[str, ...], str]] = {
 }
 XFAIL.update({f"{name}[{mode}]": why for name, (modes, why) in _WHY.items() for mode in modes})
-XFAIL["partial_labels_hook_on_model_output_normalises_zero_gradient[zero_intrusive]"] = XFAIL[
-    "partial_labels_hook_on_model_output_normalises_zero_gradient[replayable]"] = (
-    "nantrace: module '2' (the Linear whose output is hooked), else right; expected None: the hook is the loss code's, "
-    "registered by it on the model's output (docs/api.md: module None when the op ran outside the model, e.g. in the "
-    "loss function). tracer.OpTracer gives a hook's op _backward_module(node), the module whose forward made the "
-    "hooked node. The contract names a module for a parameter hook (the one holding it) and a Function, not for a "
-    "tensor hook the loss code registers: if that is decided for the producing module, this xfail is the "
-    "expectation's.")
 
 
 # ======================================================================= the oracle

@@ -130,6 +130,8 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precisi
                 if _HOOK_NAME == getattr(entry.func, "__name__", None) and args and args[0] is entry.args[0]:
                     decode.values.append([])  # the real tensor itself (not replayed): never hooked by a replay
                     continue
+                if _HOOK_NAME == getattr(entry.func, "__name__", None) and len(args) > 1 and callable(args[1]):
+                    args = (args[0], tracer.modules.owned_hook(args[1], entry.module), *args[2:])
                 if full_precision:
                     args, kwargs = _upcast(args), _upcast(kwargs)
                 # the call's ops are the entry's line, unless the user's own code runs below it (a custom

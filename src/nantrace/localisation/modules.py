@@ -9,8 +9,11 @@ computed in the real step.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
@@ -23,6 +26,30 @@ class ModuleStack:
         self._stack: list[str] = []
         self._handles: list[Any] = []
         self._names: dict[int, tuple[nn.Module, str]] = {}
+        self._hook_owners: list[str | None] = []
+        self._register_hook: Any = None
+
+    @property
+    def in_hook(self) -> bool:
+        """Whether a tensor hook registered during the replay is running (its owner: :attr:`hook_owner`)."""
+        return bool(self._hook_owners)
+
+    @property
+    def hook_owner(self) -> str | None:
+        """The module that was running when the running hook was registered (``None``: the step's own code
+        outside the model, e.g. a loss function hooking the model's output)."""
+        return self._hook_owners[-1] if self._hook_owners else None
+
+    def owned_hook(self, hook: Callable[..., Any], owner: str | None) -> Callable[..., Any]:
+        """``hook`` marked, while it runs, as registered by ``owner``."""
+        @functools.wraps(hook)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self._hook_owners.append(owner)
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self._hook_owners.pop()
+        return run
 
     @property
     def current(self) -> str | None:
@@ -34,9 +61,21 @@ class ModuleStack:
         self._names = {id(module): (module, name) for name, module in self.root.named_modules()}
         self._handles = [torch_module.register_module_forward_pre_hook(self._pre),
                          torch_module.register_module_forward_hook(self._post, always_call=True)]
+        # a tensor hook belongs to the code that registered it, not to the module whose output it hooks
+        original = self._register_hook = torch.Tensor.register_hook
+        stack = self
+
+        def register_hook(tensor: torch.Tensor, hook: Callable[..., Any]) -> Any:
+            return original(tensor, stack.owned_hook(hook, stack.current))
+
+        torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._register_hook is not None:
+            torch.Tensor.register_hook = self._register_hook  # type: ignore[method-assign]
+            self._register_hook = None
+        self._hook_owners.clear()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -671,9 +671,14 @@ class OpTracer(TorchDispatchMode):
 
     def _backward_module(self, node: Any) -> str | None:
         """The module of an op the user's code issues during backward: the running module (a
-        checkpoint re-running a block's forward), else the one whose forward made the node it runs for."""
+        checkpoint re-running a block's forward), else, for a tensor hook registered during the replay, the
+        module that registered it (``None`` for the step's own code: a loss function hooking the model's
+        output), else the one whose forward made the node it runs for (a hook registered before the step,
+        on a parameter: the module holding it)."""
         running = self.modules.current
-        return running if running is not None else self._node_module(node)
+        if running is not None:
+            return running
+        return self.modules.hook_owner if self.modules.in_hook else self._node_module(node)
 
     def _mutated_flags(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, tuple[bool, bool]]:
         flags: dict[int, tuple[bool, bool]] = {}
