@@ -86,10 +86,6 @@ of a decomposition is now taken through all its outputs: diagnosis/evidence.deri
 tape keeps register_hook), the custom Function (kept as one call: patches.FUNCTION_APPLY), the Dynamic Weight Average (a finite re-run of a replayable call falls back to the taped
 loss code: localiser._localise)."""
 STATE_XFAIL: dict[str, str] = {
-    "dynamic_weight_average_ratio_over_zero_depth_loss_two_steps_back[replayable]": (
-        "the replay of the wrapped loss function (localisation/rerun.py run_unit: unit.fn(*args)) runs the user's "
-        "DynamicWeightAverage a second time, which appends a second history entry for step 3: step 4's task weights "
-        "come from the wrong pair of losses and every parameter ends different from a plain run that skipped step 3."),
 }
 """name[mode] -> why diagnosing the failure still changes what the run trains (a strict xfail)."""
 RAISES: dict[str, tuple[type[BaseException], str]] = {}

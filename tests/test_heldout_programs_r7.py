@@ -1469,7 +1469,7 @@ STATEFUL = [n for n, (build, _) in CASES.items() if not inspect.isfunction(build
 """Cases whose loss is an object that keeps state between calls."""
 STATE_XFAIL: dict[str, str] = {}
 """name[mode] -> why diagnosing still changes the loss object's state (a strict xfail). Fixed since written: the
-re-run of a replayable call puts the Python attributes of the object it belongs to back (rerun._python_state_kept)."""
+re-run of a replayable call puts the Python attributes of the object it belongs to back (localisation/python_state.py, from rerun.run_unit)."""
 
 
 @pytest.mark.parametrize("name,mode", case_params({n: None for n in STATEFUL}, STATE_XFAIL))

@@ -119,7 +119,7 @@ def test_a_gradient_hook_of_the_loss_code_runs_in_the_replay(replayable):
 
 def test_a_stateful_replayable_loss_is_diagnosed_from_its_tape():
     """Re-running the wrapped function divides by 1/(3 - 4), finite: the taped call kept the 0 it divided by.
-    The re-run leaves the object as the run left it: four calls, four losses (rerun._python_state_kept)."""
+    The re-run leaves the object as the run left it: four calls, four losses (localisation/python_state.py, from rerun.run_unit)."""
     loss = _Budget(3)
     incidents = _train(loss, replayable=True)
     assert loss.calls == 4 and len(loss.history) == 4, (loss.calls, loss.history)

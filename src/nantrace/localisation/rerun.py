@@ -11,14 +11,11 @@ is touched. Afterwards RNG, buffers and parameter dtypes are put back bit for bi
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy
 import dataclasses
 import io
 import logging
 import sys
-import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -31,6 +28,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..capture import CallRecord, ForwardRecord, RngState, extremes_ok_on_host, floating_tensors
 from ..loss_tape import untaped
+from .python_state import Snapshot, snapshot_of
 from .tracer import replay_site, written_tensors
 
 if TYPE_CHECKING:
@@ -51,20 +49,52 @@ class UnitResult:
     grads: dict[int, torch.Tensor] | None = None
     """The replayed gradient of each parameter (by ``id``) when the backward ran: what ``backward()``
     left in ``.grad`` for this unit, before any code of the step changed it."""
+    python_state_not_kept: list[str] | None = None
+    """Python state the re-run changed and could not put back (``python_state.Snapshot.not_kept``)."""
+
+
+@dataclasses.dataclass
+class RerunNotes:
+    """What the re-runs of one :func:`rerun_scope` could not leave as they found it, for the incident's
+    ``details`` (``with rerun_scope(watched) as notes: ...; incident.details.update(notes.details)``)."""
+
+    python_state_not_kept: list[str] = dataclasses.field(default_factory=list)
+    deferred: list[Snapshot] = dataclasses.field(default_factory=list, repr=False)
+    """Snapshots taken before the scope's forward re-runs, put back when the scope ends (a later unit of the
+    same replay may read what a forward left: a model that keeps its last features as an attribute)."""
+
+    def put_back(self, snapshot: Snapshot) -> None:
+        snapshot.restore()
+        self.python_state_not_kept.extend(n for n in snapshot.not_kept if n not in self.python_state_not_kept)
+
+    @property
+    def details(self) -> dict[str, Any]:
+        return {"python_state_not_kept": list(self.python_state_not_kept)} if self.python_state_not_kept else {}
+
+
+_SCOPES: list[RerunNotes] = []
+"""The open :func:`rerun_scope`s, innermost last: where :func:`run_unit` notes what it could not keep."""
 
 
 @contextlib.contextmanager
-def rerun_scope(watched: "Watched") -> Iterator[None]:
+def rerun_scope(watched: "Watched") -> Iterator[RerunNotes]:
     """Save RNG and buffers, mark the guard as replaying; restore everything on exit, including
-    every tensor from before the replay that the replayed code wrote in place (:class:`WriteGuard`)."""
+    every tensor from before the replay that the replayed code wrote in place (:class:`WriteGuard`).
+    Each unit re-run in it puts the Python state it reached back itself (:func:`run_unit`); what could
+    not be is noted in the :class:`RerunNotes` it yields."""
+    notes = RerunNotes()
+    _SCOPES.append(notes)
     rng = RngState.current()
     buffers = {n: b.detach().clone() for n, b in watched.root.named_buffers()}
     was_training = watched.root.training
     writes = WriteGuard() if not watched.sharded else contextlib.nullcontext()
     try:
         with watched.replay(), _eager(), _checkpoint_inline(), _silenced(), writes, untaped():  # never the step's code
-            yield
+            yield notes
     finally:
+        _SCOPES.remove(notes)
+        while notes.deferred:
+            notes.put_back(notes.deferred.pop())
         if isinstance(writes, WriteGuard):
             writes.restore()
         watched.root.train(was_training)
@@ -261,6 +291,14 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
              together: bool = False, inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> UnitResult:
     """Replay one unit from its recorded state. Call inside :func:`rerun_scope`.
 
+    The Python state the unit's code can reach (a ``replayable`` function's bound object, closure cells,
+    the globals it names, its arguments; the plain attributes of the user's module classes) is
+    snapshotted first and put back in place, whether the re-run returned or raised (``python_state.py``):
+    a loss object's history list keeps its identity and gets its contents back. A ``replayable`` call's
+    state is put back as soon as it returns (each re-run of it meets what the real call met); a forward's
+    when the :func:`rerun_scope` ends (the replayed loss code may read what the replayed forward left on
+    the model). Tensors written in place are :class:`WriteGuard`'s.
+
     ``together``: every rank replays in lockstep (FSDP2), so the backward runs whatever this
     rank finds (its all-gathers must meet the other ranks'); the result reads as without it.
     ``inputs``: what each tensor argument is replaced with (the whole step's replay links a
@@ -268,6 +306,24 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
     (another forward's output) is detached from it: the unit's backward starts from the gradients
     recorded at its outputs and must not run into the real step's freed graph.
     """
+    code = unit.fn if isinstance(unit, CallRecord) else _callee(watched, unit)
+    snapshot = snapshot_of(code, unit.args, unit.kwargs)
+    scope = _SCOPES[-1] if _SCOPES else RerunNotes()
+    try:
+        result = _run_unit(watched, unit, full_precision=full_precision, backward=backward, together=together,
+                           inputs=inputs)
+    finally:  # returned or raised
+        if isinstance(unit, CallRecord) or not _SCOPES:
+            scope.put_back(snapshot)  # a re-run of the call starts from the state the real call met, every time
+        else:
+            scope.deferred.append(snapshot)
+    if snapshot.not_kept:
+        result.python_state_not_kept = list(snapshot.not_kept)
+    return result
+
+
+def _run_unit(watched: "Watched", unit: Unit, *, full_precision: bool, backward: bool, together: bool,
+              inputs: Callable[[torch.Tensor], torch.Tensor] | None) -> UnitResult:
     unit.rng.restore()
     if unit.buffers:
         with torch.no_grad():
@@ -283,8 +339,7 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
             stack.enter_context(ctx)
         stack.enter_context(replay_site(sys._getframe(), getattr(unit, "call_site", None)))
         if isinstance(unit, CallRecord):
-            with _python_state_kept(unit.fn):
-                result = unit.fn(*args, **kwargs)
+            result = unit.fn(*args, **kwargs)
         elif getattr(unit, "substitutes", None):  # the call ran on fast weights (functional_call): so does its replay
             subs = tree_map_only(torch.Tensor, inputs or _cut, dict(unit.substitutes))
             result = torch.func.functional_call(_callee(watched, unit), subs, tuple(args), kwargs, strict=False)
@@ -307,48 +362,6 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
     grads_finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
     return UnitResult(observed, True, grads_finite, output_grads_finite,
                       grads={id(p): g for p, g in zip(params, grads) if g is not None})
-
-
-@contextlib.contextmanager
-def _python_state_kept(fn: Any) -> Iterator[None]:
-    """A ``replayable`` loss function re-run leaves the Python state of the object it belongs to as it
-    found it (a loss object's running history, a counter, an adaptive weight rebound or appended to):
-    its attributes are put back after, and lists, dicts and sets among them refilled in place. Tensors
-    written in place are :class:`WriteGuard`'s."""
-    owner = getattr(fn, "__self__", None)
-    if owner is None and not isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)):
-        owner = fn  # a callable object
-    state = getattr(owner, "__dict__", None) if owner is not None and not isinstance(owner, type) else None
-    if not isinstance(state, dict) or isinstance(owner, nn.Module):  # a module's state is its tensors
-        yield
-        return
-    kept = {k: (v, _contents(v)) for k, v in state.items()}
-    try:
-        yield
-    finally:
-        for key in [k for k in state if k not in kept]:
-            del state[key]
-        for key, (value, contents) in kept.items():
-            state[key] = value
-            if contents is not None:
-                _refill(value, contents)
-
-
-def _contents(value: Any) -> Any:
-    if isinstance(value, (list, dict, set, collections.deque)):
-        return copy.copy(value)
-    return None
-
-
-def _refill(value: Any, contents: Any) -> None:
-    if isinstance(value, (list, collections.deque, set, dict)):
-        value.clear()
-        if isinstance(value, dict):
-            value.update(contents)
-        elif isinstance(value, set):
-            value.update(contents)
-        else:
-            value.extend(contents)
 
 
 def _cut(value: torch.Tensor) -> torch.Tensor:
