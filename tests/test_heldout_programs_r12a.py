@@ -442,17 +442,6 @@ def _ppo_long() -> Program:
     return _ppo(150)
 
 
-XFAIL["ppo_prelude_behaviour_logprob_then_2250_call_gae_loop_beyond_prelude_window[zero_intrusive]"] = (
-    "nantrace says op None, module None, source None, phase None, cause unknown, action skipped, with details "
-    "received_from_untaped_code (arg1 of aten.sub.Tensor at the `ratio` line received Inf values no replayed op made; "
-    "the step's code before the forward ran more calls than the prelude keeps): it no longer blames the mul that only "
-    "received the infinity (localiser._received_from_untaped_code, origin.applied_as_mask: a subtracted -inf is no "
-    "mask). That is what the contract allows when the evidence is missing (API.md `unknown`; the prelude's 1,024-call "
-    "window is documented), so it is no wrong answer; but the right one stays aten.log.default at ppo_old_logp, "
-    "log_nonpositive (replayable mode gets it), reachable only if the prelude keeps, beyond its window, the calls whose "
-    "outputs are still alive and read by the loss code (loss_tape.py). Kept strict until then.")
-
-
 # ======================================================= 4. softmax / logsumexp over an all -inf row
 # 4a. Multiple-instance learning: a bag's logit is the logsumexp of its instances' scores under an ADDITIVE
 #     padding mask (0 / -inf, built with masked_fill); the bag probability sigmoid(logit) goes to BCE. At

@@ -1,9 +1,10 @@
 """A non-finite value the replay receives from code that was not taped is not blamed on an op that only received it.
 
-The prelude keeps the last ``PRELUDE_ENTRIES`` calls of the step's code before the model's forward. A value made
-earlier (a behaviour log-probability of 0 before a long GAE loop, targets standardised by a zero std before a long
-input-refinement loop) enters the loss code's replay as a tensor no replayed op made. When the prelude forgot calls
-that step, that is no evidence that the batch carried it: the incident names no op, module, line or phase, says
+The prelude keeps the last ``PRELUDE_ENTRIES`` calls of the step's code before the model's forward, and carries over
+its start-over the calls that remake the values still alive (a behaviour log-probability of 0 before a long GAE
+loop, targets standardised by a zero std before a long input-refinement loop: named as within the window). A value
+made earlier that cannot be remade exactly (jittered by a draw of the global RNG) enters the loss code's replay as
+a tensor no replayed op made. When the prelude forgot calls that step, that is no evidence that the batch carried it: the incident names no op, module, line or phase, says
 cause ``unknown`` and which argument received the value (``localiser._received_from_untaped_code``). Must not fire
 (unchanged): the same program within the window (the log is named), a ``-inf`` padding mask built before a long
 loop and applied additively (``masked_softmax_all`` at the log-softmax), and values that came with the batch in a
@@ -78,11 +79,15 @@ def _rollout(step: int, n: int) -> tuple[torch.Tensor, ...]:
     return obs, actions, torch.randn(n, generator=g), (torch.rand(n, generator=g) < 0.05).float()
 
 
-def ppo_step(model: nn.Module, batch: Any) -> torch.Tensor:
+def ppo_step(model: nn.Module, batch: Any, jitter: bool = False) -> torch.Tensor:
     obs, actions, rewards, dones = batch
     with torch.no_grad():
         logits, values = model(obs)
-        old_logp = torch.log(torch.softmax(logits, -1).gather(1, actions[:, None]).squeeze(1))  # <origin:old_logp>
+        p_old = torch.softmax(logits, -1).gather(1, actions[:, None]).squeeze(1)
+        if jitter:  # a behaviour policy's exploration noise, drawn from the global RNG
+            old_logp = torch.log(p_old) - 1e-3 * torch.rand_like(p_old)  # <origin:old_logp_jitter>
+        else:
+            old_logp = torch.log(p_old)  # <origin:old_logp>
     adv = torch.zeros_like(rewards)
     gae = torch.zeros(())
     for t in reversed(range(len(rewards) - 1)):  # ~15 calls a transition
@@ -210,12 +215,18 @@ def _scorer() -> nn.Module:
 
 
 CASES = {
+    # beyond the window, the early value is still alive and remade exactly by the calls that made it: carried
+    # over the prelude's start-over (LossTape._survivors), so named as within it
     "ppo_behaviour_logprob_of_zero_before_a_1500_call_gae_loop": Case(
-        _policy, lambda s: _rollout(s, 100), ppo_step, ("nonfinite_loss", None, None, None, "unknown"), None,
-        "old_logp", "beyond", ("arg1", "ratio")),
+        _policy, lambda s: _rollout(s, 100), ppo_step,
+        ("nonfinite_loss", "forward", "aten.log.default", None, "log_nonpositive"), "old_logp", "old_logp", "beyond"),
     "targets_standardised_by_a_zero_std_before_a_1200_call_input_refinement": Case(
         _regressor, lambda s: _regression_batch(s, "constant"), lambda m, b: refined_step(m, b, 400),
-        ("nonfinite_loss", None, None, None, "unknown"), None, "y_std", "beyond", ("arg1", "mse")),
+        ("nonfinite_loss", "forward", "aten.div.Tensor", None, "zero_variance_norm"), "y_std", "y_std", "beyond"),
+    # beyond the window and jittered by a draw of the global RNG: not remade exactly, not carried; received untaped
+    "ppo_jittered_behaviour_logprob_of_zero_before_a_1500_call_gae_loop": Case(
+        _policy, lambda s: _rollout(s, 100), lambda m, b: ppo_step(m, b, jitter=True),
+        ("nonfinite_loss", None, None, None, "unknown"), None, "old_logp_jitter", "beyond", ("arg1", "ratio")),
     # must not fire: the same programs within the window, a mask, values the batch carried
     "ppo_behaviour_logprob_of_zero_before_a_short_gae_loop": Case(
         _policy, lambda s: _rollout(s, 24), ppo_step,

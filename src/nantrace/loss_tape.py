@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .capture import AutocastState, RngState
@@ -57,6 +58,24 @@ PRELUDE_CHECK_EVERY = 128
 PRELUDE_RESTARTS = 2
 """Start-overs after which the prelude stops recording until the next step (code that runs long
 between two steps, e.g. an evaluation after the last one, pays almost nothing)."""
+PRELUDE_SURVIVORS = 256
+"""Calls a start-over of the prelude may carry into its new window (at most a quarter of the window): the
+calls whose outputs are still alive (the program holds them: a behaviour policy's log-probabilities, a running
+statistic, a positional table made early and read by the loss code after a long loop), with every call they
+need to be recomputed (their inputs' producers, and every call that read an output that is dead or was written
+in place since, so that a write into it is replayed too). Each survivor is re-run once, off the tape and off the
+user's RNG, on copies of its inputs, and kept only when it gives back exactly the live value (a random draw or a
+value written by untaped code is not kept). Only a start-over does this work; a call kept costs what it did.
+The copies the check makes, and the arguments the survivors hold, are bounded by :func:`_survivor_bytes`."""
+_SURVIVOR_VISITS = 16
+"""At most this many times :data:`PRELUDE_SURVIVORS` calls are walked per start-over, looking for survivors."""
+
+
+def _survivor_bytes() -> int:
+    """Bytes a start-over may spend on survivors: their arguments from outside the tape (which they hold), plus
+    the values re-made to check them (freed at once). A quarter of :data:`PRELUDE_ALONE_BYTES`, so that the
+    survivors alone never set off another start-over."""
+    return PRELUDE_ALONE_BYTES // 4
 
 _READS = frozenset({
     "item", "tolist", "numpy", "dim", "size", "numel", "__len__", "__bool__", "__float__", "__int__", "__index__",
@@ -489,13 +508,93 @@ class LossTape(TorchFunctionMode):
 
     def _start_over(self) -> None:
         """A full prelude forgets its calls and goes on: the calls nearest the forward matter, and
-        what they read from before now counts as received from outside."""
+        what they read from before now counts as received from outside; except the calls whose outputs are
+        still alive (:meth:`_survivors`), which start the new window, renumbered, so that a value made early
+        and read by the loss code after a long loop is still replayed."""
         self._restarts += 1
-        self.entries, self.outputs = [], []
+        try:
+            kept = self._survivors()
+        except Exception:  # noqa: BLE001  the survivors are a help to a later diagnosis, never the program's failure
+            kept = []
+        at = {old: new for new, old in enumerate(kept)}
+        entries, outputs = self.entries, self.outputs
+        self.entries = [Entry(entries[i].func, _renumber(entries[i].args, at), _renumber(entries[i].kwargs, at),
+                              entries[i].source, entries[i].module) for i in kept]
+        self.outputs = [outputs[i] for i in kept]
+        if self.last_scalar is not None:
+            self.last_scalar = (at[self.last_scalar[0]], self.last_scalar[1]) if self.last_scalar[0] in at else None
         self.failed = None
-        self.rng_marks = [(0, RngState.current())]
+        self.rng_marks = [(len(kept), RngState.current())]  # the survivors draw nothing (checked): no mark before them
         self.autocast = AutocastState.current()
         self._made = WeakTensorKeyDictionary()
+        for new, refs in enumerate(self.outputs):
+            for slot, ref in enumerate(refs):
+                t = ref()
+                if t is not None:
+                    self._made[t] = Ref(new, slot)  # a later call reading it names it: the replay goes on from it
+
+    def _survivors(self) -> list[int]:
+        """Indices of the kept calls a start-over carries on (:data:`PRELUDE_SURVIVORS`), in order: each call one of
+        whose outputs is still alive, with the calls it needs, when they fit the bounds and re-running them gives
+        back exactly the live values. Oldest first: a value made early is the one a start-over would lose."""
+        entries, outputs = self.entries, self.outputs
+        n = min(len(entries), len(outputs))
+        limit = min(PRELUDE_SURVIVORS, self.limit // 4)
+        if not n or limit <= 0:
+            return []
+        live: list[list[torch.Tensor | None]] = [[r() for r in outputs[i]] for i in range(n)]
+        if self.last_scalar is not None:  # held by the tape itself, not by the program
+            index, scalar = self.last_scalar
+            if index < n and sys.getrefcount(scalar) <= 3 + sum(t is scalar for t in live[index]):
+                live[index] = [None if t is scalar else t for t in live[index]]
+        candidates = [i for i in range(n) if any(t is not None for t in live[i])]
+        if not candidates:
+            return []
+        deps: list[set[int]] = []
+        readers: dict[tuple[int, int], list[int]] = {}
+        for j in range(n):
+            found: set[int] = set()
+            for ref in _refs_in((entries[j].args, entries[j].kwargs)):
+                if ref.entry < n:
+                    found.add(ref.entry)
+                    readers.setdefault((ref.entry, ref.slot), []).append(j)
+            deps.append(found)
+        kept: set[int] = set()
+        check = _SurvivorCheck(self, live)
+        try:
+            self._choose(candidates, deps, readers, live, limit, kept, check)
+        finally:
+            check.close()
+        return sorted(kept)
+
+    @staticmethod
+    def _choose(candidates: list[int], deps: list[set[int]], readers: dict[tuple[int, int], list[int]],
+                live: list[list[torch.Tensor | None]], limit: int, kept: set[int], check: "_SurvivorCheck") -> None:
+        """Add to ``kept`` each candidate's closure that fits the bounds and passes ``check``."""
+        visits = _SURVIVOR_VISITS * PRELUDE_SURVIVORS
+        for c in candidates:
+            if c in kept:
+                continue
+            closure: set[int] = set()
+            stack = [c]
+            while stack and visits > 0:
+                i = stack.pop()
+                if i in kept or i in closure:
+                    continue
+                visits -= 1
+                closure.add(i)
+                if len(kept) + len(closure) > limit:
+                    break
+                stack.extend(deps[i])
+                for slot, t in enumerate(live[i]):
+                    if t is None or t._version != 0:  # dead, or written in place: whatever wrote into it comes too
+                        stack.extend(readers.get((i, slot), ()))
+            if stack or len(kept) + len(closure) > limit:
+                if visits <= 0:
+                    break
+                continue
+            if check.run(sorted(closure)):
+                kept |= closure
 
     def _encode(self, obj: Any, depth: int = 0) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -603,6 +702,133 @@ class LossTape(TorchFunctionMode):
         if self.prelude or self.gradients:
             return bool(self.entries) and not self.truncated
         return bool(self.entries) and not self.truncated and (self.loss is not None or self.failed is not None)
+
+
+def _refs_in(obj: Any, depth: int = 0) -> list[Ref]:
+    """The :class:`Ref` arguments of a call (as ``_encode`` nests them)."""
+    if isinstance(obj, Ref):
+        return [obj]
+    if depth > 4:
+        return []
+    if isinstance(obj, (tuple, list)):
+        return [r for v in obj for r in _refs_in(v, depth + 1)]
+    if isinstance(obj, dict):
+        return [r for v in obj.values() for r in _refs_in(v, depth + 1)]
+    return []
+
+
+def _renumber(obj: Any, at: dict[int, int], depth: int = 0) -> Any:
+    """A call's arguments with each :class:`Ref` pointing at the call's new position (a start-over's survivors)."""
+    if isinstance(obj, Ref):
+        return Ref(at[obj.entry], obj.slot)
+    if depth > 4:
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_renumber(v, at, depth + 1) for v in obj)
+    if isinstance(obj, list):
+        return [_renumber(v, at, depth + 1) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _renumber(v, at, depth + 1) for k, v in obj.items()}
+    return obj
+
+
+def _same(replayed: Any, real: torch.Tensor) -> bool:
+    """``replayed`` holds exactly the values of ``real`` (NaN where it has NaN)."""
+    if not isinstance(replayed, torch.Tensor) or replayed.shape != real.shape or replayed.dtype != real.dtype \
+            or replayed.device != real.device or real.layout != torch.strided or replayed.layout != torch.strided \
+            or real.is_nested or real.is_quantized or real.is_meta:
+        return False
+    a, b = replayed.detach(), real.detach()
+    same = a == b
+    if a.is_floating_point() or a.is_complex():
+        same = same | (a.isnan() & b.isnan())
+    return bool(same.all())
+
+
+class _SurvivorCheck:
+    """Re-runs a start-over's candidate survivors (:meth:`LossTape._survivors`) off every tape and mode, without
+    gradients, on copies of their arguments from outside the tape and with the user's RNG state put back after,
+    and tells whether they give back exactly the live values. Copies and re-made values share one byte budget."""
+
+    def __init__(self, tape: LossTape, live: list[list[torch.Tensor | None]]) -> None:
+        self.tape = tape
+        self.live = live
+        self.values: dict[int, list[torch.Tensor]] = {}
+        self.copies: dict[int, torch.Tensor] = {}
+        self.budget = _survivor_bytes()
+        self.rng: RngState | None = None
+
+    def _decode(self, obj: Any, depth: int = 0) -> Any:
+        if isinstance(obj, Ref):
+            return self.values[obj.entry][obj.slot]
+        if isinstance(obj, torch.Tensor):
+            copy = self.copies.get(id(obj))
+            if copy is None:
+                self._spend(obj)
+                copy = obj.detach().clone()
+                self.copies[id(obj)] = copy
+            return copy
+        if isinstance(obj, torch.Generator):
+            return _snapshot(obj)  # the tape's own snapshot stays as it is, for the replay
+        if depth > 4:
+            return obj
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._decode(v, depth + 1) for v in obj)
+        if isinstance(obj, list):
+            return [self._decode(v, depth + 1) for v in obj]
+        if isinstance(obj, dict):
+            return {k: self._decode(v, depth + 1) for k, v in obj.items()}
+        return obj
+
+    def _spend(self, t: torch.Tensor) -> None:
+        if t.is_nested or t.layout != torch.strided:
+            raise _OverBudget
+        self.budget -= t.numel() * t.element_size()
+        if self.budget < 0:
+            raise _OverBudget
+
+    def run(self, closure: list[int]) -> bool:
+        """Re-run the calls ``closure`` (the ones not yet re-run, in order); True, and their values kept for the
+        next candidates, when every live output among them comes back equal; False (and nothing kept) else."""
+        if self.budget < 0:
+            return False
+        if self.rng is None:
+            self.rng = RngState.current()
+        made: dict[int, list[torch.Tensor]] = {}
+        budget, copies = self.budget, dict(self.copies)
+        try:
+            with _Untaped(), _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
+                for i in closure:
+                    entry = self.tape.entries[i]
+                    owner = getattr(entry.func, "__self__", None)
+                    if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):
+                        raise _OverBudget  # the user's own code (a custom Function kept as one call): never re-run here
+                    self.values.update(made)
+                    out = tensors_of(entry.func(*self._decode(entry.args), **self._decode(entry.kwargs)))
+                    for t in out:
+                        self._spend(t)
+                    made[i] = out
+                for i, out in made.items():  # after the closure's own writes into them
+                    for slot, real in enumerate(self.live[i]):
+                        if real is not None and (slot >= len(out) or not _same(out[slot], real)):
+                            raise _OverBudget
+        except Exception:  # noqa: BLE001  a call that cannot be re-run, or comes back different, is not kept
+            for i in made:
+                self.values.pop(i, None)
+            self.budget, self.copies = budget, copies
+            return False
+        self.values.update(made)
+        return True
+
+    def close(self) -> None:
+        """Put the user's RNG state back and let go of every copy."""
+        if self.rng is not None:
+            self.rng.restore()
+        self.values, self.copies = {}, {}
+
+
+class _OverBudget(Exception):
+    """A survivor check stops: over its byte budget, or a value that comes back different."""
 
 
 def _data_access(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
