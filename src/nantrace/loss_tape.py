@@ -222,6 +222,30 @@ def recording_gradient_tapes() -> list["LossTape"]:
     return [t for t in _GRADIENT_TAPES if t.recording] if _GRADIENT_TAPES else []
 
 
+def _tensor_uses(roots: list[Any]) -> dict[int, list[Any]]:
+    """Each distinct tensor in ``roots`` (nested tuples, lists and dicts, a few levels deep) -> [tensor, uses]."""
+    seen: dict[int, list[Any]] = {}
+    stack: list[tuple[Any, int]] = [(r, 0) for r in roots]
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            held = seen.get(id(obj))
+            if held is None:
+                seen[id(obj)] = [obj, 1]
+            else:
+                held[1] += 1
+        elif depth <= 4 and isinstance(obj, (tuple, list)):
+            stack.extend((v, depth + 1) for v in obj)
+        elif depth <= 4 and isinstance(obj, dict):
+            stack.extend((v, depth + 1) for v in obj.values())
+    return seen
+
+
+def _tensors_in(roots: list[Any]) -> list[torch.Tensor]:
+    """The distinct tensors in ``roots``."""
+    return [held[0] for held in _tensor_uses(roots).values()]
+
+
 class LossTape(TorchFunctionMode):
     """Records the torch calls of one step's loss code; see the module docstring."""
 
@@ -264,6 +288,9 @@ class LossTape(TorchFunctionMode):
         of it before the first write)."""
         self._read: set[int] = set()
         """``id`` of each tensor a kept call received from outside the tape (what a write may change under it)."""
+        self._received_bytes = 0
+        """Bytes of the distinct tensors the kept calls received from outside the tape since the window began: a
+        bound on what they can keep alive alone (:meth:`held_alone_bytes`, taken only once this bound passes)."""
         self._snapshot_bytes = 0
         self.earlier: LossTape | None = None
         """The tape of the step's code before this one's (the loss tape's prelude): its reads count as reads."""
@@ -359,6 +386,7 @@ class LossTape(TorchFunctionMode):
             self._snapshot_bytes = 0
         if self._read:
             self._read = set()
+        self._received_bytes = 0
         if self._grad_of:
             self._grad_of = {}
         if self._made:  # a fresh table only when the step taped something (most steps of a model-only loss: none)
@@ -393,7 +421,7 @@ class LossTape(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.prelude and name not in _READS and (len(self.entries) >= self.limit or (
                 len(self.entries) % PRELUDE_CHECK_EVERY == PRELUDE_CHECK_EVERY - 1
-                and self.held_alone_bytes() > PRELUDE_ALONE_BYTES)):
+                and self._received_bytes > PRELUDE_ALONE_BYTES and self.held_alone_bytes() > PRELUDE_ALONE_BYTES)):
             if self._restarts >= PRELUDE_RESTARTS:
                 self._recording = False
                 self.entries, self.outputs, self._made = [], [], WeakTensorKeyDictionary()
@@ -524,6 +552,9 @@ class LossTape(TorchFunctionMode):
         if self.last_scalar is not None:
             self.last_scalar = (at[self.last_scalar[0]], self.last_scalar[1]) if self.last_scalar[0] in at else None
         self.failed = None
+        received = _tensors_in([(e.args, e.kwargs) for e in self.entries])  # what the survivors hold from outside
+        self._read = {id(t) for t in received}
+        self._received_bytes = sum(t.numel() * t.element_size() for t in received if not t.is_nested)
         self.rng_marks = [(len(kept), RngState.current())]  # the survivors draw nothing (checked): no mark before them
         self.autocast = AutocastState.current()
         self._made = WeakTensorKeyDictionary()
@@ -601,7 +632,10 @@ class LossTape(TorchFunctionMode):
             made = self._made.get(obj)
             if made is not None:
                 return made
-            self._read.add(id(obj))
+            if id(obj) not in self._read:
+                self._read.add(id(obj))
+                if self.prelude and not obj.is_nested:
+                    self._received_bytes += obj.numel() * obj.element_size()
             read = self._grad_of.get(id(obj)) if self._grad_of else None
             return read[1] if read is not None and read[0] is obj else obj
         if obj is None or type(obj) in _PLAIN:
@@ -621,20 +655,7 @@ class LossTape(TorchFunctionMode):
     def held_alone_bytes(self) -> int:
         """Bytes of the tensors the kept calls hold as arguments that nothing else references any more (the
         program dropped them; the tape keeps them alive): what keeping these calls costs in memory."""
-        seen: dict[int, list[Any]] = {}
-        stack: list[tuple[Any, int]] = [((e.args, e.kwargs), 0) for e in self.entries]
-        while stack:
-            obj, depth = stack.pop()
-            if isinstance(obj, torch.Tensor):
-                held = seen.get(id(obj))
-                if held is None:
-                    seen[id(obj)] = [obj, 1]
-                else:
-                    held[1] += 1
-            elif depth <= 4 and isinstance(obj, (tuple, list)):
-                stack.extend((v, depth + 1) for v in obj)
-            elif depth <= 4 and isinstance(obj, dict):
-                stack.extend((v, depth + 1) for v in obj.values())
+        seen = _tensor_uses([(e.args, e.kwargs) for e in self.entries])
         total = 0
         for held in seen.values():
             t, uses = held
