@@ -3,14 +3,16 @@
 :class:`AutoWatch` installs process-wide hooks (module forward pre/post hooks and an
 optimizer step pre-hook) and a class-level wrapper of ``torch.amp.GradScaler.step``. It
 remembers the *top-level* module calls (a module called while no other module is
-running: the model, the loss module). At an optimizer's first step it finds the root
-module that owns the optimizer's parameters and opens ``nantrace.watch(model,
-optimizer)`` for the pair on the spot; that guard's own step pre-hook still runs for
-this first step (torch reads the optimizer's hooks after the global ones), so the first
-step is checked too. What the first step cannot have is the capture of its forward and
-loss (they ran before the guard existed): an incident at the very first step is detected
-and blocked, but not localised. Steps through a GradScaler (``scaler.step(optimizer)``)
-give the guard the scaler as well.
+running: the model, the loss module), and the optimizers the code creates (a class-level
+wrapper of ``torch.optim.Optimizer.__init__``). When a training module's forward begins
+under grad and an optimizer created earlier steps only parameters of it, it opens
+``nantrace.watch(model, optimizer)`` right there, so the first step is captured and
+localised like any other (:meth:`AutoWatch._attach_at_forward`). Otherwise, at an
+optimizer's first step it finds the root module that owns the optimizer's parameters and
+opens the guard on the spot; that guard's own step pre-hook still runs for this first step
+(torch reads the optimizer's hooks after the global ones), so the first step is checked
+too, but not localised (its forward ran before the guard existed). Steps through a
+GradScaler (``scaler.step(optimizer)``) give the guard the scaler as well.
 
 :func:`run_script` runs a script as ``python SCRIPT ARGS...`` would, under an AutoWatch;
 ``nantrace run`` (``nantrace.cli.run``) is the command-line glue around it.
@@ -26,6 +28,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import runpy
@@ -70,8 +73,13 @@ class AutoWatch:
         self._top_level: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
         self._order = itertools.count()
         self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._created: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        """Optimizers the code created since this started and that have not stepped yet."""
+        self._first_calls: dict[int, tuple[nn.Module, list[dict[str, Any]]]] = {}
+        """A model whose guard opened as its forward began: the keyword arguments its recorders await."""
         self._local = threading.local()
         self._scaler_patch: AttributePatch | None = None
+        self._optimizer_patch: AttributePatch | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "AutoWatch":
@@ -85,10 +93,11 @@ class AutoWatch:
 
         self._handles = [
             register_module_forward_pre_hook(self._forward_pre),
-            register_module_forward_hook(self._forward_post, always_call=True),
+            register_module_forward_hook(self._forward_post, with_kwargs=True, always_call=True),
             register_optimizer_step_pre_hook(self._optimizer_pre),
         ]
         self._patch_scaler_class()
+        self._patch_optimizer_class()
         return self
 
     def close(self) -> None:
@@ -99,9 +108,11 @@ class AutoWatch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._scaler_patch is not None:
-            self._scaler_patch.remove()
-            self._scaler_patch = None
+        for patch in (self._scaler_patch, self._optimizer_patch):
+            if patch is not None:
+                patch.remove()
+        self._scaler_patch = self._optimizer_patch = None
+        self._first_calls.clear()
         for session in self.sessions:
             session.close()
 
@@ -129,14 +140,70 @@ class AutoWatch:
         depth = getattr(self._local, "depth", 0)
         if depth == 0:
             self._top_level[module] = next(self._order)
+            if self._created and not self.closed and module.training and torch.is_grad_enabled():
+                self._attach_at_forward(module, args)
         self._local.depth = depth + 1
 
-    def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._local.depth = max(getattr(self._local, "depth", 1) - 1, 0)
+    def _forward_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        depth = self._local.depth = max(getattr(self._local, "depth", 1) - 1, 0)
+        if depth == 0 and self._first_calls:
+            first = self._first_calls.pop(id(module), None)
+            if first is not None and first[0] is module:
+                for awaited in first[1]:  # before the guard's own hook ends the record (global hooks run first)
+                    awaited.update(kwargs or {})
+
+    def _attach_at_forward(self, module: nn.Module, args: Any) -> None:
+        """The forward of a training module begins under grad, and an optimizer created earlier steps only
+        parameters of it (all of them: a partial owner is left to the first step, which sees every module
+        the step called): open the guard now, so that this forward, the loss code after it and so the
+        first step are captured and localised like any other. The guard's hooks, put on the module inside
+        torch's own pre-hooks, miss this one call: its recorder begins it here, and takes its keyword
+        arguments when it ends (a global pre-hook is not given them).
+
+        A float16 model or forward is left to the first step too: a GradScaler it will likely step through
+        is known only there (``scaler.step``), and a guard opened without it would take the scaled loss for
+        the loss."""
+        own: set[int] | None = None
+        for optimizer in list(self._created):
+            if optimizer in self._seen:
+                self._created.discard(optimizer)
+                continue
+            wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if own is None:
+                own = {id(p) for p in module.parameters()}
+            if not wanted or not wanted <= own:
+                continue
+            if _half_precision(module):
+                self._created.discard(optimizer)
+                return
+            self._created.discard(optimizer)
+            opened = len(self.sessions)
+            self._attach(optimizer, None, model=module)
+            if len(self.sessions) == opened:
+                continue
+            guard = self.sessions[-1].guard
+            if guard.model is module:  # a wrapper's inner module (DDP, compiled) has its own call: hooked as usual
+                awaited: dict[str, Any] = {}
+                guard.recorder.forward_pre(module, args, awaited)
+                self._first_calls.setdefault(id(module), (module, []))[1].append(awaited)
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self.closed and optimizer not in self._seen:
             self._attach(optimizer, None)
+
+    def _patch_optimizer_class(self) -> None:
+        original = torch.optim.Optimizer.__init__
+        auto_ref = weakref.ref(self)
+
+        @functools.wraps(original)
+        def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+            original(optimizer, *args, **kwargs)
+            auto = auto_ref()
+            if auto is not None and not auto.closed:
+                auto._created.add(optimizer)
+
+        self._optimizer_patch = patch_attribute(torch.optim.Optimizer, "__init__", __init__,
+                                                purpose="nantrace run learns of each optimizer the script creates")
 
     def _patch_scaler_class(self) -> None:
         scaler_cls = torch.amp.GradScaler
@@ -145,9 +212,13 @@ class AutoWatch:
 
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             auto = auto_ref()
-            if auto is None or auto.closed or optimizer in auto._seen or not isinstance(optimizer, torch.optim.Optimizer):
+            if auto is None or auto.closed or not isinstance(optimizer, torch.optim.Optimizer):
                 return original(scaler, optimizer, *args, **kwargs)
-            auto._attach(optimizer, scaler)
+            if optimizer in auto._seen:
+                if not auto._reopen_with(optimizer, scaler):
+                    return original(scaler, optimizer, *args, **kwargs)
+            else:
+                auto._attach(optimizer, scaler)
             if getattr(scaler.__dict__.get("step"), "_nantrace_guard", False):
                 return scaler.step(optimizer, *args, **kwargs)  # the guard's own wrapper on the instance
             return original(scaler, optimizer, *args, **kwargs)
@@ -156,7 +227,19 @@ class AutoWatch:
         self._scaler_patch = patch_attribute(scaler_cls, "step", step, purpose="nantrace run finds the scaler")
 
     # ------------------------------------------------------------------ pairing
-    def _attach(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+    def _reopen_with(self, optimizer: torch.optim.Optimizer, scaler: Any) -> bool:
+        """A guard opened at the model's forward, without a scaler, meets ``scaler.step(optimizer)``: it is
+        closed and a guard given the scaler opens for the pair. Returns whether that happened."""
+        for i, session in enumerate(self.sessions):
+            if session.optimizer is optimizer and session.guard.scaler is None and not session.closed:
+                model = session.guard.model
+                session.close()
+                del self.sessions[i]
+                self._attach(optimizer, scaler, model=model)
+                return True
+        return False
+
+    def _attach(self, optimizer: torch.optim.Optimizer, scaler: Any, model: nn.Module | None = None) -> None:
         """Open a guard for ``optimizer`` and the model that owns its parameters; never raises
         into the script (a failure to watch is noted and the script goes on)."""
         self._seen.add(optimizer)
@@ -167,7 +250,7 @@ class AutoWatch:
                 self.own_guards.append(own)
             self.notes.append(f"{name} is already watched by the script's own nantrace.watch")
             return
-        model = self.owner(optimizer)
+        model = model if model is not None else self.owner(optimizer)
         if model is None:
             self._note(f"a {name} optimizer steps parameters of no model the script called; it is not watched")
             return
@@ -208,6 +291,15 @@ class AutoWatch:
             store = getattr(guard, "store", None)
             if store is not None:
                 store.end_as(status, reason)
+
+
+def _half_precision(module: nn.Module) -> bool:
+    """float16 parameters, or a float16 autocast running: the training likely steps through a GradScaler."""
+    if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16:
+        return True
+    if torch.cuda.is_available() and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.float16:
+        return True
+    return any(p.dtype == torch.float16 for p in itertools.islice(module.parameters(), 64))
 
 
 def _own_guard(optimizer: torch.optim.Optimizer) -> Any:

@@ -80,6 +80,12 @@ DECLARED: tuple[Declared, ...] = (
              "while the guard watching that scaler is open"),
     Declared("torch.amp.GradScaler.step (the class)",
              "``nantrace run`` finds the optimizer and scaler of an unmodified script", "while ``nantrace run`` watches"),
+    Declared("torch.optim.Optimizer.__init__ (the class)",
+             "``nantrace run`` learns of each optimizer the script creates, so that the model's first forward under "
+             "it is captured (the first step localised like any other)", "while ``nantrace run`` watches"),
+    Declared("torch.Tensor.register_hook (the class)",
+             "a replay marks each tensor hook registered during it with the module that registered it (the op a "
+             "hook issues belongs to the code that put it there)", "while a replay runs"),
     Declared("gc.get_referrers(optimizer) (read only)",
              "on_anomaly='rollback' finds the LR schedulers driving the optimizer, to restore them with it "
              "(or declare them: guard.add_scheduler)", "once, at the first healthy step"),

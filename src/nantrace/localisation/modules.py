@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from ..patches import patch_attribute
+
 
 class ModuleStack:
     """Tracks the innermost running submodule of ``root`` by its dotted path."""
@@ -62,18 +64,21 @@ class ModuleStack:
         self._handles = [torch_module.register_module_forward_pre_hook(self._pre),
                          torch_module.register_module_forward_hook(self._post, always_call=True)]
         # a tensor hook belongs to the code that registered it, not to the module whose output it hooks
-        original = self._register_hook = torch.Tensor.register_hook
+        original = torch.Tensor.register_hook
         stack = self
 
         def register_hook(tensor: torch.Tensor, hook: Callable[..., Any]) -> Any:
+            if stack._register_hook is None:  # left in another patch's chain after the replay: pass through
+                return original(tensor, hook)
             return original(tensor, stack.owned_hook(hook, stack.current))
 
-        torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+        self._register_hook = patch_attribute(torch.Tensor, "register_hook", register_hook,
+                                              purpose="a replay marks each tensor hook with the module that registered it")
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._register_hook is not None:
-            torch.Tensor.register_hook = self._register_hook  # type: ignore[method-assign]
+            self._register_hook.remove()
             self._register_hook = None
         self._hook_owners.clear()
         for h in self._handles:

@@ -59,6 +59,11 @@ def _origin(incident: "Incident") -> str:
     return _FAMILY.get(incident.kind, incident.kind)
 
 
+def _unexplained(incident: "Incident") -> bool:
+    """An incident whose origin is unknown: no op and cause ``unknown``."""
+    return incident.op is None and incident.cause == "unknown"
+
+
 def _same_origin(a: "Incident", b: "Incident") -> bool:
     """Same kind (family), cause, op and module: after localisation, the same failure again."""
     return _origin(a) == _origin(b) and (a.cause, a.op, a.module) == (b.cause, b.op, b.module)
@@ -80,6 +85,8 @@ class Episode:
     """Incidents in the episode, the recorded ones included."""
     skipped: int = 0
     rollbacks: int = 0
+    retried: bool = False
+    """A blocked repeat was localised once because the recorded incident had no origin (:func:`_unexplained`)."""
 
     def summary(self) -> dict[str, Any]:
         return {"episode": self.first.id, "since_step": self.start, "last_step": self.last_step,
@@ -137,6 +144,13 @@ class EscalationLadder:
         joins = episode is not None and (
             (self._blocked_last and incident.action != Action.LOGGED) or
             (_origin(incident) == _origin(episode.latest) and incident.kind in _UNLOCALISED))
+        if joins and episode is not None and not episode.retried and _unexplained(episode.latest) \
+                and incident.kind not in _UNLOCALISED:
+            # the recorded incident could not be localised (its step was not captured: the first step of a
+            # zero-code run, a step the guard met half-way): the repeat is localised once, and recorded if it
+            # says more (settle)
+            episode.retried = True
+            joins = False
         if incident.action == Action.SKIPPED and self._budget_spent():
             reason = self._reason()
             if self._can_roll_back(episode):
