@@ -83,15 +83,7 @@ DIVERGING: set[str] = set()
 """Cases whose expected step is the divergence rule's step (computed from the plain run)."""
 XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
-_WHY = {
-    "sam_first_step_zero_gradient_batch_without_labels":
-        "nantrace: phase None, op None, source None, cause nonfinite_param ('changed between steps: a checkpoint "
-        "loaded mid-run or an in-place write'); right: phase optimizer, aten.reciprocal.default at SAM.first_step's "
-        "rho / grad_norm (line sam_scale), div_by_zero. diagnosis/triage.py _nonfinite: a parameter non-finite at "
-        "the step check is assumed written between steps and is never localised; here the optimizer's own "
-        "first_step wrote it inside the step (after backward(), before step()), and the tape of that window "
-        "(localisation/gradient_code.py) is replayed only for non-finite gradients, never for parameters.",
-}
+_WHY: dict[str, str] = {}
 XFAIL.update({f"{name}[{mode}]": why for name, why in _WHY.items() for mode in MODES})
 
 

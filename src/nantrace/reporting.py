@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import console
 from .capture import StepCapture
+from .diagnosis.triage import PARAMS_WRITTEN_UNSEEN
 from .distributed import localisable
 from .errors import NonFiniteError
 from .incident import Incident
@@ -76,7 +77,8 @@ class Reporter:
             return
         origins = incident.details.get("origin_ranks")
         here = origins is None or watched.rank in origins
-        wanted = here and localisable(incident.kind) and "peer_rank" not in incident.details
+        wanted = here and (localisable(incident.kind) or (  # parameters the step's own code may have written
+            not watched.sharded and bool(incident.details.get(PARAMS_WRITTEN_UNSEEN)))) and "peer_rank" not in incident.details
         agreement = decision.agreement
         if watched.sharded and agreement is not None:
             if cfg.localisation.localise and agreement.replay_together:  # the same verdict on every rank

@@ -96,6 +96,12 @@ def _divergence_finding(d: Divergence, step: int) -> Finding:
     return Finding(step, d.kind, phase, d.cause, None, d.summary(step), d.fix(), details=details)
 
 
+PARAMS_WRITTEN_UNSEEN = "params_nonfinite_write_unseen"
+"""``Finding.details`` key of a ``nonfinite_param`` finding made from the check's figures alone (phase ``None``): the
+parameters are taken for written between steps or before training, which the figures cannot tell from a write of the
+step's own code after ``backward()`` (SAM's ``first_step``, weight noise, a max-norm projection); the localiser replays
+that code when its tapes hold writes into them (:func:`nantrace.localisation.gradient_code.localise_parameter_writes`)."""
+
 PARAMS_WITHOUT_UPDATE = "params_nonfinite_without_update"
 """``Finding.details`` key: the parameters are non-finite at the step's check though no update has landed
 since ``watch()`` read them finite; the finding is what else the step shows, and the replay decides whether
@@ -131,6 +137,7 @@ def _nonfinite(health: StepHealth, *, step: int, scaler_active: bool, last_appli
                       "finite, so it changed between steps, by a write that leaves no mark on the tensor (an in-place "
                       "op through .data, a fused kernel outside the optimizer) or a checkpoint loaded into it")
         summary, fix = explain("nonfinite_param", detail=detail)
+        details[PARAMS_WRITTEN_UNSEEN] = True  # the step's own code after backward() may have written them: replayed
         return Finding(step, "nonfinite_param", None, "nonfinite_param", None, summary, fix, details=details)
     return _step_failure(health, step=step, scaler_active=scaler_active)
 

@@ -19,13 +19,13 @@ import torch
 from ..capture import CallRecord, ForwardRecord, StepCapture, floating_tensors
 from ..diagnosis.classify import LOW_PRECISION, Classification, classify
 from ..diagnosis.patterns import explain
-from ..diagnosis.triage import PARAMS_WITHOUT_UPDATE, Finding
+from ..diagnosis.triage import PARAMS_WITHOUT_UPDATE, PARAMS_WRITTEN_UNSEEN, Finding
 from ..response.policies import action_for
 from ..taxonomy import Action
 from .modules import ModuleStack
 from .origin import Origin, backward_start, chain_summary, trace_back
 from ..loss_tape import unread_nograd_forwards
-from .gradient_code import replay_gradient_code, replay_written_gradients, replayed_gradients
+from .gradient_code import localise_parameter_writes, replay_gradient_code, replay_written_gradients, replayed_gradients
 from .loss_replay import replay_step, trace_prelude_inputs
 from .rerun import float32_model, output_ok, rerun_scope, run_unit
 from .tracer import OpRecord, OpTracer
@@ -169,6 +169,9 @@ def _tape_low_precision(watched: "Watched", tape: Any, units: list[Any]) -> bool
 
 def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lockstep: "Lockstep | None",
               raised: BaseException | None = None) -> None:
+    if incident.details.get(PARAMS_WRITTEN_UNSEEN):  # nonfinite_param: did the step's code after backward() write them?
+        localise_parameter_writes(watched, incident, capture)
+        return
     if _gradients_written_by_step_code(incident, capture):
         _localise_written_gradients(watched, incident, capture)
         return
