@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from .capture import AutocastState, RngState
 from .detection.param_provenance import WATCHED_DATA, data_touched
@@ -144,6 +143,9 @@ class Entry:
     module: str | None = None
     """The watched model's submodule whose forward issued the call (``self.discriminator(x)`` in the
     loss code), or None for the loss code's own calls."""
+    refs: "tuple[Ref, ...] | None" = None
+    """The kept calls whose outputs this call read (the :class:`Ref` in its arguments), noted as they were
+    encoded; None when not noted (a tape decoded from a bundle): :func:`_refs_in` finds them."""
 
 
 def _name(func: Any) -> str:
@@ -222,6 +224,30 @@ def recording_gradient_tapes() -> list["LossTape"]:
     return [t for t in _GRADIENT_TAPES if t.recording] if _GRADIENT_TAPES else []
 
 
+class _MadeTable:
+    """Which kept call made each tensor, by the tensor's identity, without keeping it alive: a weak reference
+    beside each entry tells a live tensor from a dead one whose ``id`` was reused. What a weak-keyed dictionary
+    does, at a dictionary lookup a call (the tape looks up every tensor argument of every call it keeps)."""
+
+    __slots__ = ("_by_id",)
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, Ref]] = {}
+
+    def get(self, t: torch.Tensor, default: Ref | None = None) -> Ref | None:
+        entry = self._by_id.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else default
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        return self.get(t) is not None
+
+    def __setitem__(self, t: torch.Tensor, ref: Ref) -> None:
+        self._by_id[id(t)] = (weakref.ref(t), ref)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
 def _tensor_uses(roots: list[Any]) -> dict[int, list[Any]]:
     """Each distinct tensor in ``roots`` (nested tuples, lists and dicts, a few levels deep) -> [tensor, uses]."""
     seen: dict[int, list[Any]] = {}
@@ -282,12 +308,14 @@ class LossTape(TorchFunctionMode):
         self.failed: tuple[int, BaseException] | None = None
         """(index of the call that raised, the exception), when the taped code raised (the loss code; the
         prelude: code before the model's forward)."""
-        self._made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._made = _MadeTable()
         self.before_write: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """``id`` of each tensor the loss code received, read and then wrote in place -> (the tensor, a copy
         of it before the first write)."""
         self._read: set[int] = set()
         """``id`` of each tensor a kept call received from outside the tape (what a write may change under it)."""
+        self._refs: list[Ref] | None = None
+        """The :class:`Ref` met while encoding the call being kept (:meth:`_entry`)."""
         self._received_bytes = 0
         """Bytes of the distinct tensors the kept calls received from outside the tape since the window began: a
         bound on what they can keep alive alone (:meth:`held_alone_bytes`, taken only once this bound passes)."""
@@ -390,7 +418,7 @@ class LossTape(TorchFunctionMode):
         if self._grad_of:
             self._grad_of = {}
         if self._made:  # a fresh table only when the step taped something (most steps of a model-only loss: none)
-            self._made = WeakTensorKeyDictionary()
+            self._made = _MadeTable()
 
     # ------------------------------------------------------------------ recording
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
@@ -424,7 +452,7 @@ class LossTape(TorchFunctionMode):
                 and self._received_bytes > PRELUDE_ALONE_BYTES and self.held_alone_bytes() > PRELUDE_ALONE_BYTES)):
             if self._restarts >= PRELUDE_RESTARTS:
                 self._recording = False
-                self.entries, self.outputs, self._made = [], [], WeakTensorKeyDictionary()
+                self.entries, self.outputs, self._made = [], [], _MadeTable()
                 return func(*args, **kwargs)
             self._start_over()
         if self._mark_due and name not in _READS:
@@ -441,7 +469,7 @@ class LossTape(TorchFunctionMode):
             if name not in _READS and len(self.entries) < self.limit:
                 # the call that raised is kept (a replay re-issues it to see what it rejected); in the prelude too:
                 # a step can die before the model's forward (a timestep index off by one in q_sample)
-                self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2),
+                self.entries.append(self._entry(func, args, kwargs, user_source(2),
                                           self._running_module()))
                 if self.prelude:
                     self.outputs.append([])
@@ -451,7 +479,7 @@ class LossTape(TorchFunctionMode):
             raise
         if name in _HOOKS and not self.prelude and not self.gradients and len(self.entries) < self.limit \
                 and args and isinstance(args[0], torch.Tensor) and (args[0] in self._made or args[0].grad_fn is not None):
-            self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2),
+            self.entries.append(self._entry(func, args, kwargs, user_source(2),
                                       self._running_module()))
             return out
         if name in _READS or name in _SIDE_EFFECTS or not (out is None or isinstance(out, (torch.Tensor, tuple, list))):
@@ -463,7 +491,7 @@ class LossTape(TorchFunctionMode):
             self.truncated = True
             return out
         index = len(self.entries)
-        self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(2),
+        self.entries.append(self._entry(func, args, kwargs, user_source(2),
                                   self._running_module()))
         self._note_outputs(index, outs)
         return out
@@ -487,7 +515,7 @@ class LossTape(TorchFunctionMode):
             if isinstance(out, torch.Tensor) and args and id(out) not in self._grad_of and out not in self._made:
                 self._grad_of[id(out)] = (out, GradRef(args[0]))
         elif len(self.entries) < self.limit:
-            self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), user_source(3)))
+            self.entries.append(self._entry(func, args, kwargs, user_source(3)))
         else:
             self.truncated = True
         return out
@@ -519,7 +547,7 @@ class LossTape(TorchFunctionMode):
             self.truncated = True
             return
         index = len(self.entries)
-        self.entries.append(Entry(func, self._encode(args), self._encode(kwargs), source,
+        self.entries.append(self._entry(func, args, kwargs, source,
                                   None if self.gradients or self.prelude else self._running_module()))
         outs = tensors_of(out)
         self._note_outputs(index, outs)
@@ -547,7 +575,9 @@ class LossTape(TorchFunctionMode):
         at = {old: new for new, old in enumerate(kept)}
         entries, outputs = self.entries, self.outputs
         self.entries = [Entry(entries[i].func, _renumber(entries[i].args, at), _renumber(entries[i].kwargs, at),
-                              entries[i].source, entries[i].module) for i in kept]
+                              entries[i].source, entries[i].module,
+                              None if entries[i].refs is None else tuple(_renumber(r, at) for r in entries[i].refs))
+                        for i in kept]
         self.outputs = [outputs[i] for i in kept]
         if self.last_scalar is not None:
             self.last_scalar = (at[self.last_scalar[0]], self.last_scalar[1]) if self.last_scalar[0] in at else None
@@ -557,7 +587,7 @@ class LossTape(TorchFunctionMode):
         self._received_bytes = sum(t.numel() * t.element_size() for t in received if not t.is_nested)
         self.rng_marks = [(len(kept), RngState.current())]  # the survivors draw nothing (checked): no mark before them
         self.autocast = AutocastState.current()
-        self._made = WeakTensorKeyDictionary()
+        self._made = _MadeTable()
         for new, refs in enumerate(self.outputs):
             for slot, ref in enumerate(refs):
                 t = ref()
@@ -567,40 +597,41 @@ class LossTape(TorchFunctionMode):
     def _survivors(self) -> list[int]:
         """Indices of the kept calls a start-over carries on (:data:`PRELUDE_SURVIVORS`), in order: each call one of
         whose outputs is still alive, with the calls it needs, when they fit the bounds and re-running them gives
-        back exactly the live values. Oldest first: a value made early is the one a start-over would lose."""
+        back exactly the live values. Oldest first: a value made early is the one a start-over would lose.
+        What it walks is looked up as the walk needs it (a start-over runs in a healthy step: few allocations)."""
         entries, outputs = self.entries, self.outputs
         n = min(len(entries), len(outputs))
         limit = min(PRELUDE_SURVIVORS, self.limit // 4)
         if not n or limit <= 0:
             return []
-        live: list[list[torch.Tensor | None]] = [[r() for r in outputs[i]] for i in range(n)]
+        lone_scalar: torch.Tensor | None = None
         if self.last_scalar is not None:  # held by the tape itself, not by the program
             index, scalar = self.last_scalar
-            if index < n and sys.getrefcount(scalar) <= 3 + sum(t is scalar for t in live[index]):
-                live[index] = [None if t is scalar else t for t in live[index]]
-        candidates = [i for i in range(n) if any(t is not None for t in live[i])]
+            if index < n and sys.getrefcount(scalar) <= 3 + sum(r() is scalar for r in outputs[index]):
+                lone_scalar = scalar
+        cache: dict[int, list[torch.Tensor | None]] = {}
+
+        def live(i: int) -> list[torch.Tensor | None]:
+            got = cache.get(i)
+            if got is None:
+                got = cache[i] = [None if t is lone_scalar else t for t in (r() for r in outputs[i])]
+            return got
+
+        candidates = [i for i in range(n) if any(t is not None for t in live(i))] if lone_scalar is not None else \
+            [i for i in range(n) if any(r() is not None for r in outputs[i])]
         if not candidates:
             return []
-        deps: list[set[int]] = []
-        readers: dict[tuple[int, int], list[int]] = {}
-        for j in range(n):
-            found: set[int] = set()
-            for ref in _refs_in((entries[j].args, entries[j].kwargs)):
-                if ref.entry < n:
-                    found.add(ref.entry)
-                    readers.setdefault((ref.entry, ref.slot), []).append(j)
-            deps.append(found)
         kept: set[int] = set()
         check = _SurvivorCheck(self, live)
         try:
-            self._choose(candidates, deps, readers, live, limit, kept, check)
+            self._choose(candidates, _CallGraph(entries, n), live, limit, kept, check)
         finally:
             check.close()
         return sorted(kept)
 
     @staticmethod
-    def _choose(candidates: list[int], deps: list[set[int]], readers: dict[tuple[int, int], list[int]],
-                live: list[list[torch.Tensor | None]], limit: int, kept: set[int], check: "_SurvivorCheck") -> None:
+    def _choose(candidates: list[int], graph: "_CallGraph", live: Callable[[int], list[torch.Tensor | None]],
+                limit: int, kept: set[int], check: "_SurvivorCheck") -> None:
         """Add to ``kept`` each candidate's closure that fits the bounds and passes ``check``."""
         visits = _SURVIVOR_VISITS * PRELUDE_SURVIVORS
         for c in candidates:
@@ -616,10 +647,10 @@ class LossTape(TorchFunctionMode):
                 closure.add(i)
                 if len(kept) + len(closure) > limit:
                     break
-                stack.extend(deps[i])
-                for slot, t in enumerate(live[i]):
+                stack.extend(graph.deps(i))
+                for slot, t in enumerate(live(i)):
                     if t is None or t._version != 0:  # dead, or written in place: whatever wrote into it comes too
-                        stack.extend(readers.get((i, slot), ()))
+                        stack.extend(graph.readers(i, slot))
             if stack or len(kept) + len(closure) > limit:
                 if visits <= 0:
                     break
@@ -627,10 +658,20 @@ class LossTape(TorchFunctionMode):
             if check.run(sorted(closure)):
                 kept |= closure
 
+    def _entry(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], source: str | None,
+               module: str | None = None) -> Entry:
+        """A kept call: its arguments encoded, with the kept calls it read noted on the way."""
+        refs = self._refs = []
+        entry = Entry(func, self._encode(args), self._encode(kwargs), source, module, tuple(refs))
+        self._refs = None
+        return entry
+
     def _encode(self, obj: Any, depth: int = 0) -> Any:
         if isinstance(obj, torch.Tensor):
             made = self._made.get(obj)
             if made is not None:
+                if self._refs is not None:
+                    self._refs.append(made)
                 return made
             if id(obj) not in self._read:
                 self._read.add(id(obj))
@@ -766,12 +807,38 @@ def _same(replayed: Any, real: torch.Tensor) -> bool:
     return bool(same.all())
 
 
+class _CallGraph:
+    """Which kept calls each call read (:attr:`Entry.refs`), and which calls read each output (indexed once, when
+    a walk first asks)."""
+
+    def __init__(self, entries: list[Entry], n: int) -> None:
+        self.entries = entries
+        self.n = n
+        self._readers: dict[tuple[int, int], list[int]] | None = None
+
+    def _refs(self, j: int) -> Any:
+        entry = self.entries[j]
+        return entry.refs if entry.refs is not None else _refs_in((entry.args, entry.kwargs))
+
+    def deps(self, i: int) -> list[int]:
+        return [r.entry for r in self._refs(i) if r.entry < self.n]
+
+    def readers(self, i: int, slot: int) -> list[int]:
+        if self._readers is None:
+            index: dict[tuple[int, int], list[int]] = {}
+            for j in range(self.n):
+                for r in self._refs(j):
+                    index.setdefault((r.entry, r.slot), []).append(j)
+            self._readers = index
+        return self._readers.get((i, slot), [])
+
+
 class _SurvivorCheck:
     """Re-runs a start-over's candidate survivors (:meth:`LossTape._survivors`) off every tape and mode, without
     gradients, on copies of their arguments from outside the tape and with the user's RNG state put back after,
     and tells whether they give back exactly the live values. Copies and re-made values share one byte budget."""
 
-    def __init__(self, tape: LossTape, live: list[list[torch.Tensor | None]]) -> None:
+    def __init__(self, tape: LossTape, live: Callable[[int], list[torch.Tensor | None]]) -> None:
         self.tape = tape
         self.live = live
         self.values: dict[int, list[torch.Tensor]] = {}
@@ -830,7 +897,7 @@ class _SurvivorCheck:
                         self._spend(t)
                     made[i] = out
                 for i, out in made.items():  # after the closure's own writes into them
-                    for slot, real in enumerate(self.live[i]):
+                    for slot, real in enumerate(self.live(i)):
                         if real is not None and (slot >= len(out) or not _same(out[slot], real)):
                             raise _OverBudget
         except Exception:  # noqa: BLE001  a call that cannot be re-run, or comes back different, is not kept
