@@ -292,7 +292,7 @@ NUMERICAL: dict[str, tuple[Callable[[], Program], Want]] = {
                                      Want("aten.log.default", "head", "log_nonpositive", "log_rates", False)),
     # the evidence the NaN path weighs too: labels all ignored, the run's history
     "sft_all_labels_masked": (sft, Want("aten.div.Tensor", None, "label_out_of_range", "sft_mean", False)),
-    "diverging_naive_softmax": (diverging, Want("aten.exp.default", None, "loss_divergence", "naive_exp", False)),
+    "diverging_naive_softmax": (diverging, Want("aten.exp.default", None, "exp_overflow", "naive_exp", False)),
 }
 UNRELATED: dict[str, Callable[[], Program]] = {
     "shape_mismatch": regression_program(mse_on_mismatched_shape),

@@ -114,7 +114,7 @@ def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | N
             facts["absorbed_by"] = rec.absorbed_by
     else:
         cause, detail, facts = _forward_cause(rec, ctx)
-    cause, detail = _with_history(cause, detail, ctx.history, facts, divergence_seen)
+    cause, detail = _with_history(cause, detail, ctx.history, facts, divergence_seen, backward=backward)
     if (cause == "where_gradient_trap" or "absorbed_by" in facts) and backward and fwd is not None:
         # named by the forward op that made the non-finite value in the unselected branch
         base.update(phase="forward", module=fwd.module, source=fwd.source)
@@ -523,8 +523,12 @@ _SYMPTOMS = {"overflow", "exp_overflow", "precision_overflow", "gradient_explosi
 
 
 def _with_history(cause: str, detail: str, history: list[dict[str, Any]], facts: dict[str, Any],
-                  seen: dict[str, Any] | None = None) -> tuple[str, str]:
-    """An overflow at the end of a divergence is the divergence: say so, with the growth."""
+                  seen: dict[str, Any] | None = None, *, backward: bool = False) -> tuple[str, str]:
+    """An overflow at the end of a divergence: the summary says what made the values huge, with the growth
+    (API.md's ``overflow``: a symptom, the diagnosis says what made the values huge); the cause stays the op's
+    (``overflow``, ``exp_overflow``, ``precision_overflow``: ``loss_divergence`` is a finite anomaly's), except
+    an overflow in the backward at the end of gradients growing step after step, which is the
+    ``gradient_explosion`` itself (gradients grew to inf through a long chain)."""
     if cause not in _SYMPTOMS:
         return cause, detail
     trend = _detected(seen) or (divergence(history) if history else None)
@@ -532,4 +536,6 @@ def _with_history(cause: str, detail: str, history: list[dict[str, Any]], facts:
         return cause, detail
     facts["divergence"] = trend.to_dict()
     where = f"then {detail}" if detail else "then the values overflowed"
-    return trend.cause, f"{trend.describe()}; {where}"
+    if backward and trend.cause == "gradient_explosion":
+        cause = "gradient_explosion"
+    return cause, f"{trend.describe()}; {where}"

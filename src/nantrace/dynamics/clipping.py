@@ -162,6 +162,8 @@ class ClipMonitor(SafeMonitor):
         self.pre_norms: deque[float] = deque(maxlen=_KEEP)
         self._healthy: deque[float] = deque(maxlen=_KEEP)
         self._recent: deque[bool] = deque(maxlen=_ALWAYS_WINDOW)
+        self._judged_from = False
+        """The last step read was past the warm-up: the clipping rate is judged."""
         self._max_seen = 0.0
         self._ids: set[int] = set()
         self._step_calls: list[tuple[torch.Tensor, float]] = []
@@ -241,8 +243,8 @@ class ClipMonitor(SafeMonitor):
                         self._healthy.append(pre)
             self.clip_steps += 1
             self.clipped_steps += clipped
-            if step >= self.warmup:
-                self._recent.append(clipped)
+            self._recent.append(clipped)  # every step is evidence; the judging waits for the warm-up to end
+            self._judged_from = step >= self.warmup
         signals = self._judge()
         if self.clip_steps - self._meta_at >= _META_EVERY or signals:
             self._write_meta()
@@ -262,7 +264,7 @@ class ClipMonitor(SafeMonitor):
         signals: list[Signal] = []
         if not self.warn:
             return signals
-        if ("always" not in self._fired and len(self._recent) >= _ALWAYS_WINDOW
+        if ("always" not in self._fired and self._judged_from and len(self._recent) >= _ALWAYS_WINDOW
                 and sum(self._recent) >= _ALWAYS_FRACTION * len(self._recent)):
             self._fired.add("always")
             s = self.summary()

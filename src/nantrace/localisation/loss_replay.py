@@ -67,6 +67,40 @@ class _Decoder:
         self.leaves: list[torch.Tensor] = []
         self.before_write: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """The loss tape's copies of tensors it received and then wrote in place (``LossTape.before_write``)."""
+        self.made_by: Any = None
+        """The tracer's provenance table (tensor -> the op that made it), to find a forward's twins in."""
+        self.forward_spans: list[tuple[int, int]] = []
+        """The tracer's op indices ``(first, last]`` of each forward replayed: what the model's forward (its
+        user hooks included) made."""
+        self.full_precision = False
+        self._claimed: set[int] = set()
+
+    def forward_twin(self, real: torch.Tensor) -> torch.Tensor | None:
+        """The replayed value of a real tensor the model's forward made without returning it (a loss term a
+        forward hook of the user's computed and stored): the tensor a replayed forward made with the same autograd
+        history (node by node, down to the same parameters), preferring one with the same values; None for a
+        tensor without history into a replayed forward (the batch's targets, a mask)."""
+        node = real.grad_fn
+        if node is None or self.made_by is None or not self.forward_spans:
+            return None
+        table = getattr(self.made_by, "inner", self.made_by)  # exceptions._KeepingLike wraps the table
+        spans = self.forward_spans
+        kind = node.name()
+        candidates = [t for t, info in list(table.items())
+                      if t.grad_fn is not None and t.shape == real.shape and t.device == real.device
+                      and (t.dtype == real.dtype or self.full_precision) and id(t) not in self._claimed
+                      and t is not real and any(lo < info.index <= hi for lo, hi in spans)
+                      and t.grad_fn.name() == kind]
+        if not candidates:
+            return None
+        with _disable_current_modes():
+            same = [t for t in candidates if t.dtype == real.dtype and torch.equal(
+                torch.nan_to_num(t.detach(), 0.5, 1.5, -1.5), torch.nan_to_num(real.detach(), 0.5, 1.5, -1.5))]
+        for t in same + [t for t in candidates if not any(t is u for u in same)]:
+            if _same_history(node, t.grad_fn):
+                self._claimed.add(id(t))
+                return t
+        return None
 
     def __call__(self, obj: Any) -> Any:
         if isinstance(obj, Ref):
@@ -83,6 +117,13 @@ class _Decoder:
                 return self.replaced[key]
             if not self.copy_all and (key in self.shared or self.externals.get(key, "").startswith(("param:", "buffer:"))):
                 return obj  # a model input or parameter: the same object the replayed forward read
+            if not self.copy_all and key not in self.copies:
+                # not the batch when the model's forward made it (a penalty a user's forward hook stored): the
+                # replayed forward made it again, and the loss code's replay reads that twin (one graph)
+                twin = self.forward_twin(obj)
+                if twin is not None:
+                    self.replaced[key] = twin
+                    return twin
             copy = self.copies.get(key)
             if copy is None:
                 kept = self.before_write.get(key)
@@ -206,14 +247,67 @@ def _unit_input(decode: _Decoder, tape: LossTape | None, value: torch.Tensor) ->
 
 
 def _twin_of(decode: _Decoder, tape: LossTape | None, real: torch.Tensor) -> torch.Tensor | None:
-    """The replayed value of a real tensor the step's code made (by the prelude, or by a call the loss tape kept)."""
+    """The replayed value of a real tensor the step's code made (by the prelude, by a call the loss tape kept, or
+    by the model's forward without returning it: a forward hook's stored penalty)."""
     replayed = decode.replaced.get(id(real))
     if replayed is not None:
         return replayed
     ref = tape.ref_of(real) if tape is not None else None
     if ref is not None and ref.entry < len(decode.values) and ref.slot < len(decode.values[ref.entry]):
         return decode.values[ref.entry][ref.slot]
+    if ref is None and id(real) not in decode.copies:
+        twin = decode.forward_twin(real)
+        if twin is not None:
+            decode.replaced[id(real)] = twin
+        return twin
     return None
+
+
+_HISTORY_NODES = 4096
+"""How many autograd nodes :func:`_same_history` compares at most (beyond: taken as the same)."""
+
+
+_CASTS = frozenset({"ToCopyBackward0"})
+"""Nodes of a dtype cast: autocast's in the real step, none in the float32 re-run; not a computation."""
+
+
+def _uncast(node: Any) -> Any:
+    while node is not None and node.name() in _CASTS and len(node.next_functions) == 1:
+        node = node.next_functions[0][0]
+    return node
+
+
+def _same_history(real: Any, replayed: Any) -> bool:
+    """Whether two autograd graphs are the same computation, node by node: the same node types with the same
+    inputs in the same order (casts aside), down to the same leaves (a parameter's accumulator: the same
+    parameter, which the replayed forward reads as the real one did)."""
+    pairs: dict[Any, Any] = {}
+    stack = [(real, replayed)]
+    while stack:
+        a, b = stack.pop()
+        a, b = _uncast(a), _uncast(b)
+        if a is None or b is None:
+            if a is not b:
+                return False
+            continue
+        seen = pairs.get(a)
+        if seen is not None:
+            if seen is not b:
+                return False
+            continue
+        if a.name() != b.name():
+            return False
+        va, vb = getattr(a, "variable", None), getattr(b, "variable", None)
+        if (va is not None or vb is not None) and va is not vb:
+            return False
+        na, nb = a.next_functions, b.next_functions
+        if len(na) != len(nb):
+            return False
+        pairs[a] = b
+        if len(pairs) > _HISTORY_NODES:
+            return True
+        stack.extend((x[0], y[0]) for x, y in zip(reversed(na), reversed(nb)))
+    return True
 
 
 def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tracer: OpTracer, *,
@@ -235,6 +329,7 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
     shared: set[int] = {id(t) for unit in units for t in floating_tensors((unit.args, unit.kwargs))}
     unit_outputs: list[list[torch.Tensor]] = []
     decode = _Decoder(replaced, shared, unit_outputs, tracer.externals)
+    decode.made_by, decode.full_precision = tracer.made_by, full_precision
     decode.before_write = {**(getattr(tape, "before_write", {}) if tape is not None else {}),
                            **(getattr(prelude, "before_write", {}) if prelude is not None else {})}  # the earliest copy
     taped = tape is not None and bool(tape.entries)
@@ -260,10 +355,13 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
                     return StepResult(None, False, None, error, outputs_finite)
                 done = at
             inputs = functools.partial(_unit_input, decode, tape)
+            first = tracer.index
             try:
                 result = run_unit(watched, unit, backward=False, full_precision=full_precision, inputs=inputs)
             except Exception as exc:
                 return StepResult(None, False, None, exc, outputs_finite)
+            finally:
+                decode.forward_spans.append((first, tracer.index))
             outputs_finite = outputs_finite and result.forward_finite
             unit_outputs.append(list(result.observed))
             for ref, replayed in zip(getattr(unit, "outputs", []), result.observed):

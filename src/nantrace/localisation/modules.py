@@ -2,9 +2,13 @@
 
 The hooks are torch's global module hooks (``register_module_forward_pre_hook`` /
 ``register_module_forward_hook``), filtered by identity to the watched model's modules: nothing is put on
-the user's modules, so a module that looks at its own hooks (``nn.TransformerEncoderLayer`` leaves its fused
-inference path when it or a sublayer is hooked: :mod:`nantrace.module_hooks`) computes in the replay what it
-computed in the real step.
+a user's module that carries no forward hook, so a module that looks at its own hooks
+(``nn.TransformerEncoderLayer`` leaves its fused inference path when it or a sublayer is hooked:
+:mod:`nantrace.module_hooks`) computes in the replay what it computed in the real step. torch runs the global
+forward hooks before a module's own: a module that already carries forward hooks (the user's: a penalty computed
+on its output) gets one more, last, that ends it, so the code of its own hooks runs inside it, as it does in
+``Module.__call__``. A hook more on a module that has hooks changes no fused-path decision (they ask whether
+there are any).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class ModuleStack:
         self._names: dict[int, tuple[nn.Module, str]] = {}
         self._hook_owners: list[str | None] = []
         self._register_hook: Any = None
+        self._ended_by_own_hook: set[int] = set()
+        """``id`` of the modules whose end a hook of their own, after the user's forward hooks, records."""
 
     @property
     def in_hook(self) -> bool:
@@ -63,6 +69,10 @@ class ModuleStack:
         self._names = {id(module): (module, name) for name, module in self.root.named_modules()}
         self._handles = [torch_module.register_module_forward_pre_hook(self._pre),
                          torch_module.register_module_forward_hook(self._post, always_call=True)]
+        for module, _ in self._names.values():
+            if module._forward_hooks:  # the user's forward hooks run after the global ones: end it after them
+                self._handles.append(module.register_forward_hook(self._own_post, always_call=True))
+                self._ended_by_own_hook.add(id(module))
         # a tensor hook belongs to the code that registered it, not to the module whose output it hooks
         original = torch.Tensor.register_hook
         stack = self
@@ -86,6 +96,7 @@ class ModuleStack:
         self._handles.clear()
         self._stack.clear()
         self._names = {}
+        self._ended_by_own_hook.clear()
 
     def _name(self, module: nn.Module) -> str | None:
         """The dotted path of ``module`` when it is one of the root's modules (identity, not a reused ``id``)."""
@@ -101,6 +112,15 @@ class ModuleStack:
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         """A module of the root ended its forward (or raised: the hook is always called): take it off the
         stack, from the top or, when an inner one never ended, from where it is."""
+        if id(module) in self._ended_by_own_hook:  # its own forward hooks are still to run: _own_post ends it
+            return
+        self._end(module)
+
+    def _own_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A module that carries forward hooks ended its forward and ran them (or raised: always called)."""
+        self._end(module)
+
+    def _end(self, module: nn.Module) -> None:
         name = self._name(module)
         if name is None:
             return
