@@ -151,3 +151,12 @@ def test_a_scheduler_that_cannot_be_copied_turns_the_check_off_with_a_warning() 
     with pytest.warns(RuntimeWarning, match="the scheduler cannot be copied to follow it"):
         guard = nantrace.watch(model, opt, config=quiet(lr_schedule=scheduler))
     guard.close()
+
+
+@pytest.mark.parametrize("every", [5, 10])
+def test_a_declared_schedule_stepped_per_epoch_is_described_as_a_staircase(every: int) -> None:
+    """The schedule is declared per step (a dict), its scheduler stepped once every ``every`` steps (per epoch):
+    the LR that ran is the declared one at ``first + (t - first) // every``, which the summary says."""
+    found, _ = _run(lambda o: lr_scheduler.LambdaLR(o, _hf_linear), SPEC, every=every)
+    assert len(found) == 1
+    assert f"advanced once every {every} optimizer steps" in found[0].summary, found[0].summary

@@ -1031,20 +1031,11 @@ def test_early_warnings(name: str, mode: str) -> None:
     assert run.error is None, repr(run.error)
 
 
-SHAPE_XFAIL = {
-    "hf_linear_schedule_stepped_per_epoch_declared_per_step":
-        "nantrace: 'no shift or scaling of the declared schedule explains the LR that ran'; right by docs/dynamics.md "
-        "('reported once with the first step, both values and its shape'; 'it is stepped less often than the "
-        "optimizer (per epoch?)'): the LR that ran is the declared schedule evaluated every 10th step (a staircase, "
-        "warm-up stretched 10x). dynamics/lr_schedule.py LRScheduleMonitor._describe tries for a declared dict/"
-        "callable only a time shift (_shift), a constant LR ratio and a linear warm-up length (_implied_warmup, "
-        "which a staircase fails: its implied lengths spread over 750..950); the 'stepped less often' explanation "
-        "exists only for a declared scheduler object (_describe_track).",
-}
+SHAPE = ["hf_linear_schedule_stepped_per_epoch_declared_per_step"]
+"""Early-warning cases whose summary must say how the LR that ran differs from the declared schedule."""
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=why))
-                                  for n, why in SHAPE_XFAIL.items()])
+@pytest.mark.parametrize("name", SHAPE)
 def test_lr_schedule_warning_says_its_shape(name: str) -> None:
     """4c: the warning says how the LR that ran differs (stepped less often / a longer warm-up), as documented."""
     run = train_cfg(EARLY[name][0](), replayable=False, config=CONFIGS.get(name))

@@ -336,7 +336,24 @@ class LRScheduleMonitor(SafeMonitor):
             lag = implied - spec.warmup_steps  # type: ignore[union-attr]
             return (f"warmup lasts about {implied} steps instead of {spec.warmup_steps}: it ends {abs(lag)} step(s) "  # type: ignore[union-attr]
                     f"{'late' if lag > 0 else 'early'}")
+        every = self._stepped_every(group)
+        if every:
+            return (f"the LR that ran is the declared schedule advanced once every {every} optimizer steps (a staircase): "
+                    f"it is stepped less often than the optimizer (per epoch?)")
         return "no shift or scaling of the declared schedule explains the LR that ran"
+
+    def _stepped_every(self, group: int) -> int:
+        """``k >= 2`` such that the LR that ran at every observed step ``t`` is the one meant at ``first + (t - first) // k``
+        (a schedule declared per step, stepped once every ``k`` steps: per epoch), 0 if none."""
+        first, peak = self.first_step, self._peak(group)
+        last = self._observed[-1][0]
+        try:
+            for k in range(2, min(last - first, _SEARCH_CAP) + 1):
+                if all(self._close(lr, self.meant(first + (t - first) // k)[group], peak) for t, lr in self._observed):
+                    return k
+        except Exception:  # noqa: BLE001 - a user's schedule callable may not accept every step
+            return 0
+        return 0
 
     def _shift(self, group: int) -> int:
         """``k`` such that the LR that ran at every observed step ``t`` is the one meant at ``t + k`` (0 if none)."""
