@@ -460,8 +460,8 @@ class LossTape(TorchFunctionMode):
         if not self.gradients and args and isinstance(args[0], torch.Tensor) \
                 and (name in _WRITES or (name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES)):
             self._before_write_of(args[0])
-        generator = kwargs.get("generator")
-        if isinstance(generator, torch.Generator):  # a replay must draw what this call draws, and leave the user's alone
+        generator = kwargs.get("generator") if kwargs else None
+        if generator is not None and isinstance(generator, torch.Generator):  # a replay must draw what this call draws, and leave the user's alone
             self._generators[id(generator)] = _snapshot(generator)
         try:
             out = func(*args, **kwargs)
@@ -667,7 +667,10 @@ class LossTape(TorchFunctionMode):
         return entry
 
     def _encode(self, obj: Any, depth: int = 0) -> Any:
-        if isinstance(obj, torch.Tensor):
+        kind = type(obj)
+        if kind in _PLAIN or obj is None:
+            return obj
+        if kind is torch.Tensor or isinstance(obj, torch.Tensor):
             made = self._made.get(obj)
             if made is not None:
                 if self._refs is not None:
@@ -679,14 +682,12 @@ class LossTape(TorchFunctionMode):
                     self._received_bytes += obj.numel() * obj.element_size()
             read = self._grad_of.get(id(obj)) if self._grad_of else None
             return read[1] if read is not None and read[0] is obj else obj
-        if obj is None or type(obj) in _PLAIN:
-            return obj
         if self._generators and isinstance(obj, torch.Generator):
             return self._generators.pop(id(obj), obj)
         if depth > 3:
             return obj
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self._encode(v, depth + 1) for v in obj)
+        if kind is tuple or (isinstance(obj, tuple) and not hasattr(obj, "_fields")):
+            return tuple([self._encode(v, depth + 1) for v in obj])
         if isinstance(obj, list):
             return [self._encode(v, depth + 1) for v in obj]
         if isinstance(obj, dict):
