@@ -449,3 +449,14 @@ def test_a_container_too_large_to_copy_is_named_when_changed(monkeypatch: pytest
     with python_state.python_state_kept(lambda: big[0]) as untouched:
         _ = big[0]
     assert untouched.not_kept == []
+
+
+def test_the_incident_names_the_state_a_rerun_could_not_keep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the copy limit, a changed container is not put back; the incident says so (``details``)."""
+    monkeypatch.setattr(python_state, "MAX_CONTAINER", 3)
+    program, _ = _ema_program()
+    run = train(program, replayable=True)
+    first = next(i for i in run.incidents if i.action != "logged")
+    assert first.step == FAIL_STEP and first.op == "aten.log.default"
+    # steps 0..3 appended four entries, the re-run a fifth, which stays: that is what the incident says
+    assert first.details.get("python_state_not_kept") == ["list of 5 entries (over the copy limit)"], first.details

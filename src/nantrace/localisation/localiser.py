@@ -201,7 +201,7 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
     unread = set() if together else unread_nograd_forwards(capture.tape, capture.prelude, units)
     unit_grads: dict[int, torch.Tensor] = {}  # the step's gradients as backward() left them, replayed
     gradient_code = None
-    with rerun_scope(watched):
+    with rerun_scope(watched) as notes:
         for index, unit in enumerate(units):
             if observed_in is not None:  # found (lockstep only): keep replaying with the other ranks
                 run_unit(watched, unit, together=True)
@@ -336,6 +336,7 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
                                   prelude=capture.prelude, full_precision=True)
             finite32 = t32.error is None and t32.forward_finite and t32.grads_finite is not False
             incident.details["float32_rerun_finite"] = finite32
+    incident.details.update(notes.details)  # Python state the re-runs could not leave as they found it
 
     if observed_in is None and replayable and not together and capture.forwards and capture.tape is not None \
             and capture.tape.usable:
