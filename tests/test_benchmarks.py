@@ -65,3 +65,9 @@ def test_gpu_benchmark_runs_its_grid_on_a_tiny_model_on_the_cpu(tmp_path):
             assert c["same_weights_as_plain"] is True and c["incidents"] == 0, (precision, mode, tool)
         # sync-free where it is exact (bf16); fp16's GradScaler owns found_inf: the synchronous check
         assert c["decided_on_device"] == ({"nantrace": False, "nantrace_syncfree": precision == "bf16"}.get(tool))
+
+
+def test_long_step_code_benchmark_trains_identical_weights(tmp_path):
+    res = _run([str(BENCH / "long_step_code.py"), "--rollout", "90", "--rounds", "1", "--steps", "2"], tmp_path)
+    assert res["same_weights"] is True and res["incidents"] == 0 and res["steps_timed"] == 2
+    assert set(res["ratio"]) == {"plain", "empty_mode", "nantrace"}
