@@ -233,6 +233,33 @@ def _module_counter_program() -> tuple[Program, Callable[[], Any]]:
     return program, lambda: model.forwards
 
 
+# ------------------------------------------------------------------ 5b. a forward hook logging activations
+# An activation monitor: a forward hook on the hidden layer appends each call's mean activation to a list in
+# its closure (a dead-unit tracker's log, read after training). A replayed forward runs the hook again; the
+# log must end as a plain run's. The loss's log of an exposure of 0 is the failure, as in 5.
+def _hook_log_program() -> tuple[Program, Callable[[], Any]]:
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1), nn.Flatten(0))
+    log: list[float] = []
+
+    def monitor(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        log.append(round(float(out.detach().abs().mean()), 6))
+
+    model[1].register_forward_hook(monitor)
+    g = _gen(17)
+
+    def batch(step: int, zero: bool = False) -> tuple[torch.Tensor, ...]:
+        x = 0.3 * torch.randn(8, 4, generator=g)
+        exposure = 0.5 + torch.rand(8, generator=g)
+        if zero:
+            exposure[2] = 0.0
+        return x, torch.poisson(2.0 * torch.ones(8), generator=g), exposure
+
+    program = Program(model, sgd(model, lr=0.02), steps(batch, lambda s: batch(s, True), FAIL_STEP, STEPS),
+                      poisson_exposure_loss)
+    return program, lambda: list(log)
+
+
 # ------------------------------------------------------------------ 6. negative: state read, never written
 # A class-weighted, label-smoothed cross-entropy whose class weights sit in a closure's list and whose
 # smoothing sits in a global config dict (only read), plus a log-ratio regression head; at FAIL_STEP a
@@ -277,6 +304,9 @@ CASES: dict[str, tuple[Callable[[], tuple[Program, Callable[[], Any]]], Want, bo
         _counter_program, Want("nonfinite_loss", "forward", "aten.div.Tensor", None, "counter_div", "div_by_zero"), True),
     "model_counting_its_forwards": (
         _module_counter_program,
+        Want("nonfinite_loss", "forward", "aten.log.default", None, "exposure_log", "log_nonpositive"), True),
+    "forward_hook_logging_activations_in_a_closure_list": (
+        _hook_log_program,
         Want("nonfinite_loss", "forward", "aten.log.default", None, "exposure_log", "log_nonpositive"), True),
     "negative_state_only_read": (
         _negative_program, Want("nonfinite_loss", "forward", "aten.log.default", None, "neg_log", "log_nonpositive"), False),

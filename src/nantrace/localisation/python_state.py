@@ -214,10 +214,14 @@ class Snapshot:
 
     def _module(self, module: nn.Module, depth: int) -> None:
         """A module's plain attributes, when its class is the user's (a call counter, a list of outputs a
-        LightningModule appends to); its tensors, submodule table and hooks are left alone. Its submodules
-        are visited whatever their class (a wrapper of torch around the user's module)."""
+        LightningModule appends to); its tensors, submodule table and hook tables are left alone. Its submodules
+        are visited whatever their class (a wrapper of torch around the user's module), and so are its forward hooks
+        (a replayed forward runs them again: a hook appending a penalty to its closure's list)."""
         if not _foreign(type(module)):
             self._attributes(module, depth, skip=_MODULE_INTERNALS)
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):  # a user's hook keeps state in its closure
+            for hook in list(hooks.values()):
+                self._visit(hook, depth + 1)
         for child in module._modules.values():
             if child is not None:
                 self._visit(child, depth + 1)
