@@ -45,6 +45,7 @@ from .dynamics.registry import build_monitors
 from .errors import NonFiniteError
 from .fsdp_grad_check import watch_fsdp_local_grads
 from .incident import Incident
+from .optimizer_step import ClosureRun, StepAbandoned, evaluation_finite, pre_hooks_after_own, put_first
 from .patches import BACKWARD, EXCEPTHOOK, FUNCTION_APPLY, VALUE_CHECK_FUNCTIONS, PatchUnit
 from .reporting import Reporter
 from .response.checkpoints import CheckpointGate
@@ -83,6 +84,9 @@ class Guard:
     Created by :func:`nantrace.watch`. ``incidents`` lists what was found, oldest first;
     ``close()`` removes every hook and leaves model, optimizer and scaler as found.
     """
+
+    _nantrace_step_hooks = True
+    """Its optimizer step hooks are nantrace's own (``optimizer_step.own_hook``): not the user's code."""
 
     def __init__(
         self,
@@ -130,6 +134,8 @@ class Guard:
         """Every process-wide patch this guard holds (``nantrace.patches``), removed as a unit by ``close()``."""
         self._pending_exception: BaseException | None = None
         self._decision: Decision | None = None
+        self._closure_run: ClosureRun | None = None
+        """The ``optimizer.step(closure)`` in progress: its evaluations so far."""
         self.in_scaler_step = False
         """``scaler.step(optimizer)`` is running: the optimizer's own hooks leave the step to the scaler's."""
         self._last_row: dict[str, Any] | None = None
@@ -205,6 +211,7 @@ class Guard:
             self.update_check.on_raise = self._optimizer_raised
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
+            put_first(self.optimizer, self._handles[-1])  # a user's pre-hook is the optimizer's code, checked as such
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
         if self.scaler is not None:
             patch_scaler(self, self._patches)
@@ -262,8 +269,10 @@ class Guard:
             self.diagnose_exception(self._pending_exception)
         if self.closed:
             return None
+        self._closure_run = None
         if self.in_scaler_step:
-            self._prepare_update(self._decision)
+            hooks = self._hooks_follow()
+            self._prepare_update(self._decision, unproven=hooks, grads=hooks is not None)
             return None
         if self._stop_next_step is not None:  # a stopping action found when the host read the last step
             err, self._stop_next_step = self._stop_next_step, None
@@ -274,13 +283,14 @@ class Guard:
         positional = len(args) > 1  # args[0] is the optimizer itself
         closure = args[1] if positional else kwargs.get("closure")
         if closure is None:
-            self._prepare_update(self._check_step())
+            hooks = self._hooks_follow()
+            # a user's pre-hook runs after this check: decided on the host, the update copied and checked
+            self._prepare_update(self.decide(grads_scaled=False) if hooks else self._check_step(), unproven=hooks,
+                                 grads=hooks is not None)
             return None
-        if isinstance(optimizer, torch.optim.LBFGS):
-            self._decision = None  # evaluates the closure many times per step: checked after the step only
-            return None
-        # Frameworks (Lightning) run forward and backward inside step(closure): decide right
-        # after the closure has produced the gradients, before the update reads them.
+        # Frameworks (Lightning) run forward and backward inside step(closure), and an optimizer may evaluate
+        # the closure several times (L-BFGS): decide right after its first evaluation has produced the
+        # gradients, before the update reads them; check each later evaluation (_checked_closure).
         checked = self._checked_closure(closure)
         if positional:
             return (args[0], checked, *args[2:]), kwargs
@@ -296,6 +306,12 @@ class Guard:
         singular matrix, a NaN the step made) it is an incident of kind ``exception``, what the
         update had written is undone, and the user's exception propagates unchanged."""
         decision = self._decision
+        if isinstance(exc, StepAbandoned):  # a later evaluation of the closure was non-finite: ended and undone
+            self._closure_run = None
+            if decision is not None and not self.closed:
+                self.restore_grads(decision)
+                self.finish_step(decision)
+            return True
         if self.closed or self.state.replaying or decision is None or isinstance(exc, NonFiniteError):
             return False
         if decision.block and decision.stashed is not None:
@@ -323,18 +339,78 @@ class Guard:
         self.finish_step(decision, raised=True)
         return False
 
+    def _hooks_follow(self) -> str | None:
+        """Why the update cannot be proven from this check's figures: user step pre-hooks run after it
+        (``optimizer_step.pre_hooks_after_own``: a dict length per step), or ``None``."""
+        hooks = pre_hooks_after_own(self.optimizer)
+        if not hooks:
+            return None
+        names = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks[:3])
+        return (f"step pre-hooks of the user's ({names}) run inside optimizer.step() after nantrace's check and may "
+                "rewrite the gradients or parameters it read")
+
     def _checked_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        def run() -> Any:
+        """The closure as the optimizer calls it: the first evaluation is checked as the step (decided, the
+        update prepared); each later one (L-BFGS' iterations and line search) is captured like a step and checked
+        with one host read, and a non-finite one is diagnosed from its own capture and ends the step, undone.
+        After a blocked evaluation the closure no longer runs (the optimizer gets the same loss, no gradients)."""
+        run = self._closure_run = ClosureRun()
+        once = type(self.optimizer).__module__.startswith("torch.optim.") and \
+            not isinstance(self.optimizer, torch.optim.LBFGS)  # torch's own optimizers but L-BFGS evaluate it once
+
+        def evaluate() -> Any:
+            if run.stopped:
+                return run.result
+            run.calls += 1
+            later = run.calls > 1
+            # a later evaluation of a step decided on the host, whose update the copies can undo
+            checked = later and self._decision is not None and not self._decision.block \
+                and self.update_check is not None and not self.closed
+            if checked:  # captured as a step of its own: a failing evaluation is localised from its own capture
+                self.recorder.reset()
+                self.recorder.start_prelude()
             with torch.enable_grad():
                 result = closure()
             self.recorder.end_step_code()  # the closure's code has ended (a training_step that returned None too)
-            self._prepare_update(self._check_step())
+            if not later:
+                self._first_evaluation(run, result, once=once)
+            elif checked and not evaluation_finite(result, self.watched.params):
+                self._later_evaluation(run, result)
             return result
 
-        return run
+        return evaluate
 
-    def _prepare_update(self, decision: Decision | None) -> None:
-        """Block the update (grads set aside) or let monitors see the parameters before it."""
+    def _first_evaluation(self, run: ClosureRun, result: Any, *, once: bool) -> None:
+        decision = self._check_step()
+        if decision is not None and decision.block:
+            run.stopped, run.result = True, result
+            if self.update_check is not None:  # what the optimizer does without the gradients is undone after it
+                self.update_check.before_update(grad_norm=None, param_norm=None, unproven="the step is blocked")
+                run.snapshot = True
+        self._prepare_update(decision, unproven=None if once else (
+            f"{type(self.optimizer).__name__} may evaluate the closure again after this check"))
+
+    def _later_evaluation(self, run: ClosureRun, result: Any) -> None:
+        """A later evaluation of the closure was non-finite (one read): decide it as the step, from its own
+        capture; a blocked one ends the step (``StepAbandoned``) and what the step wrote is undone."""
+        assert self.update_check is not None
+        first = self._decision
+        try:
+            decision = self.decide(grads_scaled=False)
+        except NonFiniteError:  # the policy stops the run: nothing of this step's update stays
+            self.update_check.abandon()
+            raise
+        if decision.incident is None or not decision.block:
+            self._decision = first  # the full check blocks nothing (a norm that overflowed): the step goes on
+            return
+        run.stopped, run.result = True, result
+        self.update_check.abandon(undo=decision.incident.action != Action.ROLLED_BACK)
+        raise StepAbandoned(f"nantrace: evaluation {run.calls} of the closure is non-finite at step {self.step}")
+
+    def _prepare_update(self, decision: Decision | None, *, unproven: str | None = None, grads: bool = False) -> None:
+        """Block the update (grads set aside) or let monitors see the parameters before it. ``unproven``:
+        why the update must be copied and checked rather than proven (code of the step runs after this check);
+        ``grads``: that code may write the gradients, copied too and put back with an undone update."""
         params = self.watched.params
         if decision is not None and decision.block:
             decision.stashed = [(p, p.grad) for p in params]
@@ -342,7 +418,8 @@ class Guard:
                 p.grad = None
             return
         if decision is not None and not decision.scaler_skip and self.update_check is not None:
-            self.update_check.before_update(grad_norm=decision.health.grad_norm, param_norm=decision.param_bound)
+            self.update_check.before_update(grad_norm=decision.health.grad_norm, param_norm=decision.param_bound,
+                                            unproven=unproven, grads=grads)
         if self.monitors and not (decision is not None and decision.scaler_skip):
             for monitor in self.monitors:
                 monitor.before_update(self.step, params)
@@ -357,16 +434,19 @@ class Guard:
             self.sync_free.after_update()
             self._next_step()
             return
+        run, self._closure_run = self._closure_run, None
+        if run is not None and run.snapshot and self.update_check is not None:
+            self.update_check.abandon()  # a blocked closure step: what the optimizer did without gradients is undone
         if self._decision is not None and not self._decision.block and self.update_check is not None:
             self._check_update(self._decision)
             self.judge.provenance.updated(None if self._decision.block else self.update_check.param_bound)
         elif self._decision is None:
-            self.judge.provenance.forget()  # an update that was not checked (LBFGS' closure steps)
+            self.judge.provenance.forget()  # an update that was not checked
         if self.in_scaler_step:
             return
         decision = self._decision
         if decision is None:
-            self.state.step += 1  # a closure step of LBFGS: not checked
+            self.state.step += 1  # a step nothing decided (a guard opened inside it): not checked
             self.recorder.reset()
             return
         self.restore_grads(decision)

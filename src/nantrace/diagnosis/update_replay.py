@@ -376,6 +376,21 @@ def _raw_step(optimizer: torch.optim.Optimizer) -> Any:
     return step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
 
 
+def _step_replica(optimizer: torch.optim.Optimizer, replica: torch.optim.Optimizer) -> Any:
+    """Step ``replica`` as ``optimizer.step()`` ran: first the user's step pre-hooks that run after nantrace's
+    check (``optimizer_step.pre_hooks_after_own``: code of the step that may rewrite a gradient or a parameter in
+    place, a row normalisation, a weight standardisation), given the replica, then the class's ``step``."""
+    from ..optimizer_step import pre_hooks_after_own
+
+    args: tuple[Any, ...] = (replica,)
+    kwargs: dict[str, Any] = {}
+    for hook in pre_hooks_after_own(optimizer):
+        result = hook(replica, args, kwargs)
+        if isinstance(result, tuple) and len(result) == 2:
+            args, kwargs = result
+    return _raw_step(optimizer)(replica, *args[1:], **kwargs)
+
+
 @contextlib.contextmanager
 def _isolated(replica: torch.optim.Optimizer, stepped: dict[int, torch.Tensor],
               dtype: torch.dtype | None = None) -> Iterator[None]:
@@ -485,7 +500,7 @@ def replay_update(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Upda
                      grads=[param.grad] if param.grad is not None else [], groups=lambda: replica.param_groups)
     with _isolated(replica, stepped):
         with watch:
-            _raw_step(optimizer)(replica)
+            _step_replica(optimizer, replica)
         made_nonfinite = _made_nonfinite(replica, param)  # read before the parameter is put back
     origin = watch.origin
     reproduced = origin is not None or made_nonfinite
@@ -519,7 +534,7 @@ def step_exception_incident(watched: "Watched", exc: BaseException, history: Seq
     raised: BaseException | None = None
     try:
         with _isolated(replica, stepped), watch:
-            _raw_step(optimizer)(replica)
+            _step_replica(optimizer, replica)
     except Exception as err:  # the step raising again is what the replay is for
         raised = err
     origin = watch.origin
@@ -599,7 +614,7 @@ def _finite_in_float32(optimizer: torch.optim.Optimizer, param: torch.Tensor) ->
     try:
         replica, stepped = _replica(optimizer, param, torch.float32)
         with _isolated(replica, stepped, torch.float32):
-            _raw_step(optimizer)(replica)
+            _step_replica(optimizer, replica)
             return not _made_nonfinite(replica, param)
     except Exception:  # the optimizer may insist on its own dtype: no verdict
         return None
@@ -642,7 +657,7 @@ def _blame_settings(optimizer: torch.optim.Optimizer, param: torch.Tensor | None
         try:
             replica, stepped = _replica(optimizer, param, override=(key, index, moved))
             with _isolated(replica, stepped):
-                _raw_step(optimizer)(replica)
+                _step_replica(optimizer, replica)
                 healthy = not _made_nonfinite(replica, *stepped.values())
         except Exception:
             continue

@@ -68,6 +68,8 @@ class _Saved:
     index: int
     state: dict[Any, Any] | None
     """The state dict's entries before the update (tensors: the live object), ``None`` if absent."""
+    grad: torch.Tensor | None = None
+    """Its gradient before the update, when the gradients are copied too (``before_update(grads=True)``)."""
 
 
 def _counts(name: str, t: torch.Tensor) -> dict[str, Any]:
@@ -112,6 +114,7 @@ class UpdateCheck:
         """(group id, its parameter count) -> it holds a parameter the guard does not watch."""
         self.bound = StateBound.for_optimizer(optimizer)
         self._saved: list[_Saved] = []
+        self._with_grads = False
         self._copies: list[torch.Tensor] = []
         self._sources: list[torch.Tensor] = []
         self._pool: dict[tuple[int, torch.Size, torch.dtype, torch.device], torch.Tensor] = {}
@@ -140,23 +143,30 @@ class UpdateCheck:
         self._step_patch = _wrap_step(self, optimizer)
 
     # ------------------------------------------------------------------ before
-    def before_update(self, *, grad_norm: float | None, param_norm: float | None) -> None:
-        """Decide per group (proven, or copy for a check); called right before an allowed update."""
+    def before_update(self, *, grad_norm: float | None, param_norm: float | None, unproven: str | None = None,
+                      grads: bool = False) -> None:
+        """Decide per group (proven, or copy for a check); called right before an allowed update.
+
+        ``unproven`` (a reason) checks every group whatever the bounds say: code of the step that runs after
+        this call (a user's step pre-hook, a closure the optimizer evaluates again) may change what the
+        bounds were read from. ``grads`` copies the gradients too, and an undo puts them back."""
         self._armed = False
         if not self.enabled:
             return
+        self._with_grads = grads
         self._saved, self._sources, self._proven, self._reasons = [], [], [], []
         self.param_bound, self._param_in, self._param_after = None, param_norm, 0.0
         state_bound = self.bound.value
         for group in self.optimizer.param_groups:
             unwatched = self._holds_unwatched(group)
-            after = None if unwatched else \
+            after = None if unwatched or unproven else \
                 param_bound_after(self.optimizer, group, grad=grad_norm, param=param_norm, state=state_bound)
             if after is not None:
                 self._proven.append((group, grad_norm or 0.0, param_norm or 0.0))
                 self._param_after = max(self._param_after, after)
                 continue
-            reason = "the group holds parameters added after watch() (add_param_group): the step's gradient " \
+            reason = unproven if unproven else \
+                "the group holds parameters added after watch() (add_param_group): the step's gradient " \
                 "norm does not cover them" if unwatched else \
                 update_risk(self.optimizer, group, grad=grad_norm, param=param_norm, state=state_bound)
             self._reasons.append(reason or "the update could not be bounded")
@@ -216,6 +226,9 @@ class UpdateCheck:
         state = self.optimizer.state.get(p)
         saved = _Saved(p, self._index.get(id(p), -1), None if state is None else dict(state))
         self._sources.append(p.detach())
+        if self._with_grads and isinstance(p.grad, torch.Tensor) and p.grad.layout == torch.strided:
+            saved.grad = p.grad
+            self._sources.append(p.grad.detach())
         if saved.state is not None:
             for key, value in saved.state.items():
                 if isinstance(value, torch.Tensor):
@@ -298,6 +311,10 @@ class UpdateCheck:
         with torch.no_grad():
             for saved in self._saved:
                 saved.param.copy_(next(it))
+                if saved.grad is not None:  # the step's code may have replaced the gradient or written into it
+                    if saved.param.grad is not saved.grad:
+                        saved.param.grad = saved.grad
+                    saved.grad.copy_(next(it))
                 if saved.state is None:
                     self.optimizer.state.pop(saved.param, None)
                     continue
@@ -310,14 +327,15 @@ class UpdateCheck:
                         restored[key] = copy.deepcopy(value)
                 self.optimizer.state[saved.param] = restored
 
-    def abandon(self) -> bool:
-        """``step()`` raised before it finished: undo what it had written (when the update was copied
-        beforehand); ``True`` when it was."""
+    def abandon(self, *, undo: bool = True) -> bool:
+        """``step()`` raised before it finished, or was ended: undo what it had written (when the update was
+        copied beforehand); ``True`` when it was. ``undo=False`` only forgets the copies (a rollback has put
+        an older state back)."""
         if not self._armed:
             return False
         self._armed = False
         self.param_bound = None
-        if not self._saved:
+        if not self._saved or not undo:
             return False
         self.undo()
         self.finite_after_update = None

@@ -1,0 +1,99 @@
+"""Code of the user's that runs inside ``optimizer.step()``, around the update the guard checks.
+
+- **Step pre-hooks** (``optimizer.register_step_pre_hook``): torch runs them inside ``step()``, before the update
+  and after the guard's own check when they follow it. A hook may rewrite ``p.grad`` (a row normalisation, gradient
+  centralisation) or the parameters (weight standardisation) in place, so the figures the check read no longer
+  bound the update: the guard's hook is put first (:func:`put_first`, so that hooks registered before ``watch()``
+  also run inside the optimizer phase), and while any hook follows it (:func:`pre_hooks_after_own`, a dict length
+  per step) the update is copied and checked instead of proven. ``update_replay`` runs those hooks on its replica,
+  so an origin in a hook is named as the hook's op, phase ``optimizer``.
+- **Closures** (``optimizer.step(closure)``): an optimizer may evaluate the closure several times per step (L-BFGS'
+  iterations and line search, SAM's second pass). The guard decides the step on the first evaluation as for any
+  step; each later evaluation is captured like a step and checked with one host read
+  (:func:`evaluation_finite`); a non-finite one is diagnosed from its own capture, and the step is ended there
+  (:class:`StepAbandoned`) and undone from the copies taken at the first evaluation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["ClosureRun", "StepAbandoned", "evaluation_finite", "own_hook", "pre_hooks_after_own", "put_first"]
+
+
+def own_hook(hook: Any) -> bool:
+    """A step hook of nantrace's own (a method of an object that says so)."""
+    return bool(getattr(getattr(hook, "__self__", None), "_nantrace_step_hooks", False))
+
+
+def put_first(optimizer: torch.optim.Optimizer, handle: Any) -> None:
+    """Run the step pre-hook of ``handle`` before every instance pre-hook registered so far (hooks registered
+    later run after it anyway): a user's hook is then code of the optimizer's step, not of the step's code
+    before it."""
+    hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    hook_id = getattr(handle, "id", None)
+    if isinstance(hooks, collections.OrderedDict) and hook_id in hooks:
+        hooks.move_to_end(hook_id, last=False)
+
+
+def pre_hooks_after_own(optimizer: Any) -> list[Callable[..., Any]]:
+    """The user's step pre-hooks that run after nantrace's own check, in torch's order (empty for an optimizer
+    with only nantrace's hook: one length check)."""
+    hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    if not hooks or len(hooks) < 2:
+        return []
+    out, seen = [], False
+    for hook in list(hooks.values()):
+        if own_hook(hook):
+            seen = True
+        elif seen:
+            out.append(hook)
+    return out
+
+
+class StepAbandoned(Exception):
+    """Raised by nantrace's closure wrapper inside ``optimizer.step()``: a later evaluation of the closure was
+    non-finite, the step is ended there (the guard swallows it once the step is undone and booked)."""
+
+
+@dataclasses.dataclass
+class ClosureRun:
+    """One ``optimizer.step(closure)`` call: how often the closure ran, and whether the step was ended."""
+
+    calls: int = 0
+    stopped: bool = False
+    """A blocked evaluation ended the step: later calls of the closure return ``result`` without running it."""
+    result: Any = None
+    snapshot: bool = False
+    """The parameters and optimizer state were copied at the first evaluation for a blocked step (undone after it)."""
+
+
+def evaluation_finite(result: Any, params: Iterable[torch.Tensor]) -> bool:
+    """Are a closure evaluation's loss and gradients finite? One host read (a fused check of the loss and the
+    gradients' norms); a norm that overflows reads as non-finite (the caller's full check then decides)."""
+    parts: list[torch.Tensor] = []
+    if isinstance(result, torch.Tensor):
+        if result.is_floating_point() or result.is_complex():
+            parts.append(result.detach().abs().float().sum().reshape(1))
+    elif isinstance(result, (int, float)) and not math.isfinite(float(result)):
+        return False
+    grads = [p.grad for p in params if isinstance(p.grad, torch.Tensor)]
+    dense = [g.detach() for g in grads if g.layout == torch.strided]
+    if dense:
+        try:
+            norms = list(torch._foreach_norm(dense, 2))
+        except (RuntimeError, TypeError):
+            norms = [torch.linalg.vector_norm(g) for g in dense]
+        parts.extend(n.float().reshape(1) for n in norms)
+    parts.extend(torch.linalg.vector_norm(g.coalesce().values()).float().reshape(1) for g in grads
+                 if g.layout != torch.strided)
+    if not parts:
+        return True
+    device = parts[0].device
+    return bool(torch.isfinite(torch.cat([t.to(device) for t in parts])).all())  # the evaluation's one host read
