@@ -425,6 +425,57 @@ class BufferPlan:
 _BN_STATS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 
 
+class RunningStatistics:
+    """A copy of the model's running statistics (a norm layer's ``running_mean``/``running_var``) as the last
+    applied step left them, so that a blocked step can put back what its forward averaged a NaN into.
+
+    A training-mode BatchNorm writes its running statistics in the forward, before nantrace has judged the step:
+    a batch with a NaN (or a sqrt of a negative before the norm) leaves them NaN, and skipping the update does
+    not undo that; every later evaluation-mode forward would be NaN. The copy is refreshed after each applied
+    step by one ``_foreach_copy_`` (no allocation; nothing for a model without such buffers); a blocked step
+    puts back, exactly, the statistics it left non-finite (one read, on that step only)."""
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        self._slots = [(path, module, name) for path, module in root.named_modules()
+                       if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats
+                       for name in ("running_mean", "running_var") if module._buffers.get(name) is not None]
+        self._live: list[torch.Tensor] = []
+        self._kept: list[torch.Tensor] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._slots)
+
+    def _current(self) -> list[torch.Tensor] | None:
+        live = [module._buffers.get(name) for _, module, name in self._slots]
+        if any(t is None or not t.is_floating_point() for t in live):
+            return None
+        return live  # type: ignore[return-value]
+
+    def keep(self) -> None:
+        """After an applied step: copy the statistics as they are now."""
+        live = self._current()
+        if live is None:
+            self._live, self._kept = [], []
+            return
+        with torch.no_grad():
+            if len(live) != len(self._live) or any(a is not b for a, b in zip(live, self._live)) or any(
+                    a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for a, b in zip(live, self._kept)):
+                self._live, self._kept = live, [t.detach().clone() for t in live]
+            else:
+                torch._foreach_copy_(self._kept, live)
+
+    def put_back_nonfinite(self) -> list[str]:
+        """After a blocked step: the statistics it left non-finite get their kept values back. Returns their names."""
+        live = self._current()
+        if not self._kept or live is None or any(a is not b for a, b in zip(live, self._live)):
+            return []
+        bad = [i for i, t in enumerate(live) if not bool(torch.isfinite(t).all())]
+        with torch.no_grad():
+            for i in bad:
+                live[i].copy_(self._kept[i])
+        return [f"{self._slots[i][0]}.{self._slots[i][2]}".lstrip(".") for i in bad]
+
+
 def _reads_batch_statistics(module: torch.nn.Module, attr: str) -> bool:
     """True for a BatchNorm running statistic in training mode: written, not read, by the forward."""
     return attr in _BN_STATS and module.training and isinstance(module, torch.nn.modules.batchnorm._NormBase)

@@ -37,6 +37,7 @@ from torch import nn
 
 from ._scaler_hooks import patch_scaler
 from .config import Config
+from .capture import RunningStatistics
 from .decision import Decision, StepJudge
 from .detection.scaler import ScalerMonitor, replay_at_scale_one
 from .distributed import install_local_grad_check, world
@@ -167,8 +168,15 @@ class Guard:
         """Sync-free mode: a stopping action found by a read between steps, raised before the next update."""
         self.sync_free: SyncFree | None = None
         """Steps decided on the device (``Config.detection.sync_free``), or ``None``: every step reads the host."""
+        self.running_stats: RunningStatistics | None = None
+        """The norm layers' running statistics as the last applied step left them (a blocked step puts back those
+        its forward left non-finite); ``None`` without such buffers, under FSDP2 and in the sync-free mode."""
         try:
             self.sync_free = self._sync_free_mode()
+            if self.sync_free is None and not self.sharded:
+                self.running_stats = RunningStatistics(self.root) or None
+                if self.running_stats is not None:
+                    self.running_stats.keep()
             if self.store is not None:
                 self._write_meta()
             self._install()
@@ -663,6 +671,13 @@ class Guard:
             history.append(row)
         if not skipped:
             self.judge.last_applied = self.step
+        if self.running_stats is not None and not raised:
+            if not skipped:
+                self.running_stats.keep()
+            elif decision.block and decision.incident is not None:
+                put_back = self.running_stats.put_back_nonfinite()
+                if put_back:
+                    decision.incident.details["running_statistics_restored"] = put_back
         lrs = self._lrs() if self.store is not None or self.monitors else []  # once per step, after the update
         with self.store.transaction() if self.store is not None else contextlib.nullcontext():  # one commit per step
             if self.store is not None:

@@ -184,6 +184,22 @@ _MASKING_OPS = frozenset({
 """Ops through which a ``-inf`` tensor from outside is applied as an additive mask (to attention
 scores, logits); a ``-inf`` input first met by a matmul, a convolution or a normalisation is a bad
 value of the batch instead. A fused attention op's mask operand is one too (:mod:`.attention`)."""
+def _running_statistics_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The running mean and variance a batch norm in training mode updates: it normalises with the batch's own
+    statistics, so their old values (NaN after an earlier forward of the step averaged a NaN into them) are
+    written, never read for its output; in evaluation mode they are read."""
+    schema = func._schema
+    names = [a.name for a in schema.arguments]
+    if "running_mean" not in names:
+        return ()
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    training = values.get("training", "with_update" in schema.name or "_update" in schema.overload_name)
+    if training is not True:
+        return ()
+    return tuple(values[k] for k in ("running_mean", "running_var") if isinstance(values.get(k), torch.Tensor))
+
+
 _OVERWRITES = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
                          "geometric_", "log_normal_", "cauchy_"})
 """In-place ops that replace every value of the tensor they write (``self``): its old values are not an
@@ -699,6 +715,9 @@ class OpTracer(TorchDispatchMode):
         named = [(f"arg{i}", a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items()]
         if short in _OVERWRITES:  # the destination's old values are replaced, not read
             named = [(position, a) for position, a in named if position not in ("arg0", "self")]
+        written_only = _running_statistics_written(func, args, kwargs) if func is not None else ()
+        if written_only:
+            named = [(position, a) for position, a in named if not any(a is t for t in written_only)]
         for position, value in named:
             tensors = [value] if isinstance(value, torch.Tensor) else [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
             for j, t in enumerate(tensors):
