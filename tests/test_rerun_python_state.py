@@ -17,19 +17,29 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import math
+import random
+import sys
+import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+import nantrace
 from heldout_harness import Judge, Program, run_step, sgd, steps, train
+from nantrace.capture import RngState
 from nantrace.localisation import python_state
+from nantrace.localisation.python_state import snapshot_of
 from test_programs import Want
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning"),
@@ -490,3 +500,455 @@ def test_the_incident_names_the_state_a_rerun_could_not_keep(monkeypatch: pytest
     assert first.step == FAIL_STEP and first.op == "aten.log.default"
     # steps 0..3 appended four entries, the re-run a fifth, which stays: that is what the incident says
     assert first.details.get("python_state_not_kept") == ["list of 5 entries (over the copy limit)"], first.details
+
+
+# ============================== A ``replayable`` call's re-run leaves the user's Python state as a plain run's
+# (python_state.py: class code and iterators; rerun.py: Python's and NumPy's RNG; localiser: a skipped re-run).
+#
+# The patterns are shaped like public training code:
+#
+# - mixup with NumPy's global RNG (``np.random.beta``, ``np.random.permutation``) and a random crop decided with
+#   Python's ``random``: the re-run starts from the real call's entry states (it draws what the real call drew: the
+#   failure reproduces, no ``replayable_call_finite``) and both streams end as in a plain run;
+# - a semi-supervised step that pulls its unlabeled batch inside the call from a Python GENERATOR (its position
+#   cannot be put back: the call is not re-run, ``details["rerun_skipped"]`` says why, the forwards and tapes
+#   diagnose it) or from a LIST iterator (its position is put back after the re-run);
+# - a loss OBJECT whose ``__call__`` (through a helper method) appends to a module-level list: the globals the code
+#   of its class names are put back;
+# - must-not-fire: a healthy run drawing from both RNGs and pulling from a generator (no incident, state and weights
+#   as a plain run's), and a plain loss function with no RNG or iterator use whose re-run is not skipped.
+#
+# Each construction is checked in plain torch first (``test_state_construction``): the step at which the loss goes
+# non-finite, the first op whose inputs were finite and output not (a TorchDispatchMode), and whether it ran inside
+# the model.
+
+
+@dataclasses.dataclass
+class StateProgram:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: list[Any]
+    loss: Callable[..., torch.Tensor]
+    state: Callable[[], Any]
+    """The user's Python state to compare with a plain run's after the run."""
+
+
+@dataclasses.dataclass
+class StateWant:
+    kind: str
+    phase: str
+    op: str
+    module: str | None
+    cause: str
+    detail: str | None = None
+    """A key incident.details must hold (``rerun_skipped``), or None."""
+    absent: str | None = None
+    """A key incident.details must not hold."""
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rng_state() -> Any:
+    state = np.random.get_state()
+    return random.getstate(), [int(v) for v in state[1][:8]], int(state[2]), state[3], state[4]
+
+
+# ----------------------------------------------------------------------------------- 1. NumPy mixup
+def numpy_mixup(model: nn.Module, batch: Any, step: int) -> torch.Tensor:
+    x, y = batch
+    lam = float(np.random.beta(0.2, 0.2))
+    index = torch.from_numpy(np.random.permutation(x.shape[0]))
+    x = lam * x + (1 - lam) * x[index]
+    target = lam * F.one_hot(y, 5).float() + (1 - lam) * F.one_hot(y[index], 5).float()
+    logp = torch.log(torch.softmax(model(x), dim=1))  # softmax underflows to 0 on a raw-unit batch
+    return -(target * logp).sum(1).mean()
+
+
+def _numpy_mixup() -> StateProgram:
+    torch.manual_seed(0)
+    np.random.seed(7)
+    random.seed(7)
+    model = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 5))
+    g = _gen(21)
+    batches = []
+    for s in range(STEPS):
+        x = torch.randn(16, 12, generator=g)
+        if s == FAIL_STEP:
+            x *= 1e4  # a batch exported in raw units
+        batches.append((x, torch.randint(0, 5, (16,), generator=g)))
+    return StateProgram(model, torch.optim.SGD(model.parameters(), lr=0.01), batches, numpy_mixup, _rng_state)
+
+
+# ----------------------------------------------------------------- 2. Python-random crop (failure depends on the draw)
+CROP = 8
+WIDTH = 16
+
+
+def random_crop_with_energy_term(model: nn.Module, batch: Any, step: int) -> torch.Tensor:
+    x, y = batch
+    start = random.randrange(0, WIDTH - CROP + 1)
+    crop = x[:, start:start + CROP]
+    energy = torch.log(crop.abs().sum(1))  # log(0) for a row blank over the crop that was drawn
+    return F.cross_entropy(model(crop), y) - 0.01 * energy.mean()
+
+
+def _crop_starts(seed: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(0, WIDTH - CROP + 1) for _ in range(STEPS + 1)]
+
+
+CROP_SEED = 3
+
+
+def _random_crop() -> StateProgram:
+    torch.manual_seed(0)
+    np.random.seed(3)
+    random.seed(CROP_SEED)
+    model = nn.Sequential(nn.Linear(CROP, 16), nn.ReLU(), nn.Linear(16, 4))
+    starts = _crop_starts(CROP_SEED)
+    g = _gen(22)
+    batches = []
+    for s in range(STEPS):
+        x = torch.rand(12, WIDTH, generator=g) + 0.5
+        if s == FAIL_STEP:  # a sensor dropout blanks exactly the window the real call crops
+            x[5, starts[s]:starts[s] + CROP] = 0.0
+        batches.append((x, torch.randint(0, 4, (12,), generator=g)))
+    return StateProgram(model, torch.optim.SGD(model.parameters(), lr=0.05), batches, random_crop_with_energy_term,
+                   _rng_state)
+
+
+# -------------------------------------------------------- 3. FixMatch-style: next(unlabeled) inside the call
+def _unlabeled(kind: str) -> tuple[Iterator[torch.Tensor], Callable[[], Any]]:
+    g = _gen(23)
+    items = []
+    for s in range(STEPS + 3):
+        xu = torch.rand(8, 10, generator=g)
+        if s == FAIL_STEP:
+            xu[2] = 0.0  # a blank spectrum
+        items.append(xu)
+    if kind == "list":
+        it: Iterator[torch.Tensor] = iter(items)
+        return it, lambda: it.__length_hint__()
+    pulled = [0]
+
+    def stream() -> Iterator[torch.Tensor]:
+        for xu in items:
+            pulled[0] += 1
+            yield xu
+
+    gen = stream()
+    return gen, lambda: pulled[0]
+
+
+def _fixmatch(kind: str) -> Callable[[], StateProgram]:
+    def build() -> StateProgram:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 3))
+        unlabeled, position = _unlabeled(kind)
+
+        def step_loss(m: nn.Module, batch: Any, step: int) -> torch.Tensor:
+            x, y = batch
+            xu = next(unlabeled)
+            weak = xu / xu.norm(dim=1, keepdim=True)  # 0 / 0 for a blank row
+            with torch.no_grad():
+                pseudo = m(weak).argmax(1)
+            strong = weak + 0.05 * torch.cos(3.0 * weak)
+            return F.cross_entropy(m(x), y) + F.cross_entropy(m(strong), pseudo)
+
+        g = _gen(24)
+        batches = [(torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(STEPS)]
+        return StateProgram(model, torch.optim.SGD(model.parameters(), lr=0.05), batches, step_loss, position)
+
+    return build
+
+
+# ------------------------------------------------------- 4. a loss object whose __call__ appends to a global
+METRIC_LOG: list[float] = []
+
+
+class MaskedRegressionLoss:
+    """A masked MSE averaged over the labelled entries; logs each value into a module-level list."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _log(self, value: torch.Tensor) -> None:
+        METRIC_LOG.append(round(float(value.detach()), 5))
+
+    def __call__(self, model: nn.Module, batch: Any, step: int) -> torch.Tensor:
+        x, target, mask = batch
+        pred = model(x).squeeze(-1)
+        loss = (mask * (pred - target) ** 2).sum() / mask.sum()  # no labelled entry: 0 / 0
+        self.calls += 1
+        self._log(loss)
+        return loss
+
+
+def _loss_object() -> StateProgram:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    g = _gen(25)
+    batches = []
+    for s in range(STEPS):
+        mask = torch.zeros(10) if s == FAIL_STEP else (torch.rand(10, generator=g) < 0.7).float()
+        if s != FAIL_STEP:
+            mask[0] = 1.0
+        batches.append((torch.randn(10, 6, generator=g), torch.randn(10, generator=g), mask))
+    loss = MaskedRegressionLoss()
+    METRIC_LOG.clear()
+    return StateProgram(model, torch.optim.SGD(model.parameters(), lr=0.05), batches, loss,
+                   lambda: (loss.calls, list(METRIC_LOG)))
+
+
+# ---------------------------------------------------------------------- 5. must not fire
+def _healthy() -> StateProgram:
+    torch.manual_seed(0)
+    np.random.seed(5)
+    random.seed(5)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    g = _gen(26)
+    pool = [torch.randn(8, 8, generator=g) for _ in range(STEPS + 2)]
+    pulled = [0]
+
+    def stream() -> Iterator[torch.Tensor]:
+        for xu in pool:
+            pulled[0] += 1
+            yield xu
+
+    unlabeled = stream()
+
+    def loss(m: nn.Module, batch: Any, step: int) -> torch.Tensor:
+        x, y = batch
+        lam = float(np.random.beta(1.0, 1.0))
+        if random.random() < 0.5:
+            x = x.flip(0)
+        xu = next(unlabeled)
+        return F.cross_entropy(m(lam * x + (1 - lam) * xu), y)
+
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 2, (8,), generator=g)) for _ in range(STEPS)]
+    return StateProgram(model, torch.optim.SGD(model.parameters(), lr=0.05), batches, loss,
+                   lambda: (_rng_state(), pulled[0]))
+
+
+def plain_bce_function(model: nn.Module, batch: Any, step: int) -> torch.Tensor:
+    x, y = batch
+    p = torch.sigmoid(model(x)).squeeze(-1)
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()  # p saturates to exactly 1: log(0)
+
+
+def _plain_function() -> StateProgram:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    g = _gen(27)
+    batches = []
+    for s in range(STEPS):
+        x = torch.randn(10, 4, generator=g)
+        if s == FAIL_STEP:
+            x[1] = 1e6
+        batches.append((x, (torch.rand(10, generator=g) < 0.5).float()))
+    return StateProgram(model, torch.optim.SGD(model.parameters(), lr=0.01), batches, plain_bce_function,
+                   lambda: None)
+
+
+STATE_CASES: dict[str, tuple[Callable[[], StateProgram], StateWant | None]] = {
+    "numpy_mixup_softmax_underflow": (_numpy_mixup, StateWant(
+        "nonfinite_loss", "forward", "aten.log.default", None, "log_nonpositive")),
+    "python_random_crop_blank_window": (_random_crop, StateWant(
+        "nonfinite_loss", "forward", "aten.log.default", None, "log_nonpositive", absent="replayable_call_finite")),
+    "fixmatch_generator_blank_spectrum": (_fixmatch("generator"), StateWant(
+        "nonfinite_input", "forward", "aten.div.Tensor", None, "zero_variance_norm", detail="rerun_skipped")),
+    "fixmatch_list_iterator_blank_spectrum": (_fixmatch("list"), StateWant(
+        "nonfinite_input", "forward", "aten.div.Tensor", None, "zero_variance_norm", absent="rerun_skipped")),
+    "loss_object_global_log_no_labelled_entry": (_loss_object, StateWant(
+        "nonfinite_loss", "forward", "aten.div.Tensor", None, "div_by_zero")),
+    "plain_function_bce_saturated_no_state": (_plain_function, StateWant(
+        "nonfinite_loss", "forward", "aten.log.default", None, "log_nonpositive", absent="rerun_skipped")),
+    "healthy_rng_and_generator": (_healthy, None),
+}
+
+
+# ------------------------------------------------------------------------ plain torch, nantrace off
+class _FirstNonFiniteOp(TorchDispatchMode):
+    """The first op whose floating inputs were finite and whose output was not; whether the model was running."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.depth = 0
+        self.found: tuple[str, bool] | None = None
+        model.register_forward_pre_hook(lambda *a: self._enter())
+        model.register_forward_hook(lambda *a: self._leave())
+
+    def _enter(self) -> None:
+        self.depth += 1
+
+    def _leave(self) -> None:
+        self.depth -= 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.found is None:
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if all(bool(torch.isfinite(t).all()) for t in ins) and any(not bool(torch.isfinite(t).all()) for t in outs):
+                self.found = (str(func), self.depth > 0)
+        return out
+
+
+def plain_state_run(p: StateProgram, skip_bad: bool = True) -> tuple[int | None, tuple[str, bool] | None]:
+    """The program without nantrace; a non-finite loss's update is skipped (on_anomaly="skip"). Returns the first
+    step whose loss was non-finite and the first op that made a non-finite value from finite inputs there."""
+    first: int | None = None
+    origin = None
+    for step, batch in enumerate(p.batches):
+        p.optimizer.zero_grad()
+        oracle = _FirstNonFiniteOp(p.model) if first is None else None
+        if oracle is not None:
+            with oracle:
+                loss = p.loss(p.model, batch, step)
+        else:
+            loss = p.loss(p.model, batch, step)
+        if not bool(torch.isfinite(loss)):
+            if first is None:
+                first, origin = step, oracle.found if oracle is not None else None
+            if skip_bad:
+                continue
+        loss.backward()
+        p.optimizer.step()
+    return first, origin
+
+
+def train_state(p: StateProgram, replayable: bool = True) -> list[Any]:
+    guard = nantrace.watch(p.model, p.optimizer, on_anomaly="skip",
+                           config=nantrace.Config(outputs={"print_incidents": False}))
+    fn = guard.replayable(p.loss) if replayable else p.loss
+    try:
+        for step, batch in enumerate(p.batches):
+            p.optimizer.zero_grad()
+            loss = fn(p.model, batch, step)
+            loss.backward()
+            p.optimizer.step()
+    finally:
+        guard.close()
+    return list(guard.incidents)
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
+        return math.isnan(b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("name", [n for n, (_, w) in STATE_CASES.items() if w is not None])
+def test_state_construction(name: str) -> None:
+    """Checked without nantrace: the loss goes non-finite at FAIL_STEP, made by the expected op, in or outside the model."""
+    build, want = STATE_CASES[name]
+    assert want is not None
+    step, origin = plain_state_run(build())
+    assert step == FAIL_STEP
+    assert origin == (want.op, want.module is not None), origin
+    if name == "python_random_crop_blank_window":  # another draw would crop a window that is not blank
+        starts = _crop_starts(CROP_SEED)
+        assert starts[FAIL_STEP + 1] != starts[FAIL_STEP] and starts[FAIL_STEP] not in starts[:FAIL_STEP]
+
+
+@pytest.mark.parametrize("name", list(STATE_CASES))
+def test_diagnosis_and_state_as_plain_run(name: str) -> None:
+    build, want = STATE_CASES[name]
+    # the first watch() of a process imports rich, whose import draws from Python's random (rich/style.py:
+    # getrandbits(24)); not the re-run's doing: done before the programs seed their streams
+    nantrace.watch(nn.Linear(1, 1), config=nantrace.Config(outputs={"print_incidents": False})).close()
+    reference = build()
+    plain_state_run(reference)
+    expected = reference.state()
+    weights = [p.detach().clone() for p in reference.model.parameters()]
+    program = build()
+    incidents = train_state(program)
+    if want is None:
+        assert not incidents, [(i.kind, i.cause, i.summary) for i in incidents]
+    else:
+        assert incidents, "no incident"
+        i = incidents[0]
+        got = (i.step, i.kind, i.phase, i.op, i.module, i.cause)
+        assert got == (FAIL_STEP, want.kind, want.phase, want.op, want.module, want.cause), (got, i.summary, i.details)
+        if want.detail is not None:
+            assert want.detail in i.details, i.details
+        if want.absent is not None:
+            assert want.absent not in i.details, i.details
+        assert "python_state_not_kept" not in i.details, i.details
+    assert _same_state(program.state(), expected), (program.state(), expected)
+    assert all(torch.equal(a, b) for a, b in zip(weights, program.model.parameters())), "the weights differ"
+
+
+def test_generator_skip_says_why() -> None:
+    program = _fixmatch("generator")()
+    incidents = train_state(program)
+    assert incidents[0].details["rerun_skipped"] == "the call can advance an iterator it reaches: generator"
+
+
+# ------------------------------------------------------------------------ the snapshot itself
+HELPER_LOG: list[int] = []
+
+
+class _Base:
+    def note(self) -> None:
+        HELPER_LOG.append(1)
+
+
+class _Callable(_Base):
+    def __call__(self) -> None:
+        self.note()
+
+
+def test_snapshot_follows_the_class_code_of_a_callable_object() -> None:
+    HELPER_LOG.clear()
+    obj = _Callable()
+    snap = snapshot_of(obj)
+    obj()
+    obj()
+    snap.restore()
+    assert HELPER_LOG == [] and not snap.not_kept
+
+
+def test_snapshot_puts_back_seekable_iterators_and_names_the_others() -> None:
+    items = list(range(5))
+    it, rit, ranged = iter(items), reversed(items), iter(range(5))
+    next(it)
+
+    def gen() -> Iterator[int]:
+        yield 1
+
+    g = gen()
+    snap = snapshot_of(lambda: (it, rit, ranged), it, rit, ranged)
+    for x in (it, rit, ranged):
+        next(x)
+    snap.restore()
+    assert list(it) == [1, 2, 3, 4] and list(rit) == [4, 3, 2, 1, 0] and list(ranged) == [0, 1, 2, 3, 4]
+    assert snapshot_of(lambda: g, g).unrestorable == ["generator"]
+    short = iter([1])
+    snap = snapshot_of(lambda: short, short)
+    next(short)
+    with pytest.raises(StopIteration):
+        next(short)
+    snap.restore()
+    assert snap.not_kept and "exhausted" in snap.not_kept[0]
+
+
+def test_host_rng_state_round_trip_and_cost() -> None:
+    state = RngState.current(host=True)
+    assert state.python is not None and state.numpy is not None  # numpy is imported here
+    a = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    state.restore()
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == a
+    assert RngState.current().python is None  # a forward's record stays torch-only
+    t0 = time.perf_counter()
+    for _ in range(200):
+        random.getstate()
+        sys.modules["numpy"].random.get_state()
+    per_call = (time.perf_counter() - t0) / 200
+    assert per_call < 1e-3, per_call  # a few microseconds in practice

@@ -424,7 +424,7 @@ class StepRecorder:
             recorder = recorder_ref()
             if recorder is None or recorder.watched.closed or recorder.watched.replaying or not torch.is_grad_enabled():
                 return fn(*args, **kwargs)
-            record = CallRecord(fn=fn, args=args, kwargs=kwargs, rng=RngState.current(),
+            record = CallRecord(fn=fn, args=args, kwargs=kwargs, rng=RngState.current(host=True),  # + random, numpy
                                 autocast=AutocastState.current(), buffers=recorder.buffers.snapshot())
             recorder.capture.calls.append(record)
             try:

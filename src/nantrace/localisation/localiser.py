@@ -27,7 +27,7 @@ from .origin import Origin, backward_start, chain_summary, trace_back
 from ..loss_tape import unread_nograd_forwards
 from .gradient_code import localise_parameter_writes, replay_gradient_code, replay_written_gradients, replayed_gradients
 from .loss_replay import replay_step, trace_prelude_inputs
-from .rerun import float32_model, output_ok, rerun_scope, run_unit
+from .rerun import RerunSkipped, float32_model, output_ok, rerun_scope, run_unit
 from .tracer import OpRecord, OpTracer
 
 if TYPE_CHECKING:
@@ -65,6 +65,13 @@ def localise_incident(watched: "Watched", incident: "Incident", capture: StepCap
             # re-running the replayable call raised (its state moved on since): the step's taped loss code did not
             incident.details["replayable_call_raised"] = True
             _localise(watched, incident, capture.without_calls(), lockstep, raised)
+        except RerunSkipped as skipped:  # re-running the call would advance an iterator of the user's for good
+            incident.details["rerun_skipped"] = str(skipped)
+            if not (capture.forwards and capture.tape is not None and capture.tape.usable and lockstep is None):
+                raise
+            _localise(watched, incident, capture.without_calls(), lockstep, raised)  # the forwards and tapes
+    except RerunSkipped as exc:
+        incident.summary = f"{incident.summary} The step was not replayed to name the origin: {exc}."
     except NotReplayable as exc:
         cause = exc.__cause__
         incident.details["not_replayable"] = f"{type(cause).__name__}: {cause}"
@@ -214,6 +221,8 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
                 with modules, tracer:
                     result = run_unit(watched, unit, together=together)
                     tracer.flush()
+            except RerunSkipped:
+                raise
             except Exception as exc:  # the user's code raised on re-run: the step cannot be replayed, unless it
                 found = _evidence_of_raise(exc, raised, tracer)  # raised as the real step did: then it reproduced it
                 if found is None:

@@ -10,8 +10,14 @@ Before the re-run the state it can reach is snapshotted: from the function (its 
 closure cells, the globals its code names, its defaults, the function it wraps), from a callable
 object, a module, and the call's arguments, through containers (``list``, ``dict`` and its
 subclasses, ``set``, ``deque``, tuples) and the attributes of the user's own objects, to a bounded
-depth and size. Afterwards, whether the re-run returned or raised, what changed is put back IN PLACE:
-the same list object keeps its identity and gets its contents back, an attribute or cell is rebound
+depth and size. The code that runs is followed too: for an object of the user's class (a loss object called,
+a method's ``self``, a module) the user-defined functions of its class and bases (``__call__``, ``forward``,
+the helpers it calls through ``self``) are visited like a plain function (the globals their code names,
+closures, defaults). An iterator the call can reach is a position in a stream: a ``list`` / ``tuple`` /
+``range`` iterator's position is kept and put back (``__reduce__`` / ``__setstate__``); any other (a
+generator, a DataLoader's iterator) cannot be, and :attr:`Snapshot.unrestorable` names it, so that the call
+is not re-run (``rerun.run_unit``). Afterwards, whether the re-run returned or raised, what changed is put back
+IN PLACE: the same list object keeps its identity and gets its contents back, an attribute or cell is rebound
 to the object it held, an attribute the re-run added is removed.
 
 Never copied nor restored: tensors' values (``rerun.WriteGuard`` puts back what was written in place),
@@ -28,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import io
 import sys
 import types
 from collections.abc import Iterator, Sequence
@@ -50,6 +57,9 @@ _ATOMS = (type(None), bool, int, float, complex, str, bytes, range, slice, type,
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)  # _parameters, _buffers, _modules, the hook tables, training
 _FOREIGN_TOPS = frozenset({"torch", "nantrace", "builtins", "numpy", "_pytest", "pytest", "pluggy"})
 _EMPTY = object()
+_SEEKABLE = frozenset({type(iter([])), type(iter(())), type(iter(range(1))), type(iter(range(1 << 64))),
+                       type(reversed([]))})
+"""Iterators whose position ``__reduce__`` gives and ``__setstate__`` puts back."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -98,6 +108,8 @@ class Snapshot:
         """What the re-run changed and could not be put back (a container too large to copy)."""
         self.truncated = False
         """The snapshot stopped at its object budget: state beyond it was not visited."""
+        self.unrestorable: list[str] = []
+        """Iterators and generators the call can reach and a re-run could advance for good (their type names)."""
 
     # ------------------------------------------------------------------ taking
     def take(self, roots: Sequence[Any], owners: Sequence[Any] = ()) -> "Snapshot":
@@ -133,6 +145,9 @@ class Snapshot:
     def _process(self, obj: Any, depth: int, force: bool) -> None:
         if not self._first(obj):
             return
+        if _is_iterator(obj) and _foreign(type(obj)):  # a user's iterator class keeps its position in its attributes
+            self._iterator(obj, depth)
+            return
         if isinstance(obj, (list, dict, set, collections.deque)):
             self._container(obj, depth)
             if not _foreign(type(obj)):  # a user's subclass of list / dict may carry attributes too
@@ -162,6 +177,26 @@ class Snapshot:
             self._visit(wrapped, depth + 1)
         if force or not _foreign(type(obj)) or isinstance(obj, types.SimpleNamespace):
             self._attributes(obj, depth)
+            self._class_code(obj, depth)
+
+    def _class_code(self, obj: Any, depth: int) -> None:
+        """The user-defined functions of ``obj``'s class and bases (``__call__``, ``forward``, its helpers): what runs
+        when the object is called, visited like a plain function (the globals its code names, closures, defaults)."""
+        for fn in _class_functions(type(obj)):
+            self._visit(fn, depth + 1)
+
+    def _iterator(self, obj: Any, depth: int) -> None:
+        """A list / tuple / range iterator: its position is kept (and the sequence it walks visited); any other
+        iterator or generator is noted in :attr:`unrestorable`."""
+        if type(obj) not in _SEEKABLE:
+            self.unrestorable.append(type(obj).__qualname__)
+            return
+        reduced = obj.__reduce__()
+        if len(reduced) < 3:  # exhausted: a re-run cannot advance it
+            return
+        self._restores.append(functools.partial(_reseek, obj, reduced[2]))
+        for part in reduced[1]:
+            self._visit(part, depth + 1)
 
     def _container(self, obj: Any, depth: int) -> None:
         size = len(obj)
@@ -219,6 +254,7 @@ class Snapshot:
         (a replayed forward runs them again: a hook appending a penalty to its closure's list)."""
         if not _foreign(type(module)):
             self._attributes(module, depth, skip=_MODULE_INTERNALS)
+            self._class_code(module, depth)
         for hooks in (module._forward_pre_hooks, module._forward_hooks):  # a user's hook keeps state in its closure
             for hook in list(hooks.values()):
                 self._visit(hook, depth + 1)
@@ -269,6 +305,8 @@ class Snapshot:
                 self.not_kept.append(f"{type(restore.args[0]).__name__}: {type(exc).__name__}: {exc}")
         for note in self._unreadable:
             self.not_kept.append(f"not read: {note}")
+        for name in dict.fromkeys(self.unrestorable):
+            self.not_kept.append(f"{name}: the re-run may have advanced it (its position cannot be put back)")
         if self.truncated:
             self.not_kept.append(f"state past the first {MAX_OBJECTS} objects was not visited")
         for obj, mark, before in self._checks:
@@ -279,6 +317,28 @@ class Snapshot:
         self._keep_alive.clear()
         self._seen.clear()
         self._global_names.clear()
+
+
+def _is_iterator(obj: Any) -> bool:
+    """An iterator or generator (its type defines ``__next__``), not a file (whose position is the file's)."""
+    return hasattr(type(obj), "__next__") and not isinstance(obj, io.IOBase)
+
+
+@functools.lru_cache(maxsize=1024)
+def _class_functions(cls: type) -> tuple[types.FunctionType, ...]:
+    """The functions the user's classes in ``cls.__mro__`` define: methods, static and class methods, properties."""
+    found: list[types.FunctionType] = []
+    for klass in cls.__mro__:
+        if _foreign(klass):
+            continue
+        for value in list(vars(klass).values()):
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if isinstance(value, property):
+                found.extend(f for f in (value.fget, value.fset, value.fdel) if isinstance(f, types.FunctionType))
+            elif isinstance(value, types.FunctionType):
+                found.append(value)
+    return tuple(found)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -339,6 +399,15 @@ def _reslot(obj: Any, descriptor: Any, value: Any) -> None:
         descriptor.__delete__(obj)
     else:
         descriptor.__set__(obj, value)
+
+
+def _reseek(it: Any, position: Any) -> None:
+    reduced = it.__reduce__()
+    if len(reduced) >= 3 and reduced[2] == position:
+        return
+    if len(reduced) < 3:  # the re-run exhausted it: CPython forgets the sequence then, no position to go back to
+        raise ValueError("the re-run exhausted it; its position cannot be put back")
+    it.__setstate__(position)
 
 
 def _recell(cell: types.CellType, value: Any) -> None:

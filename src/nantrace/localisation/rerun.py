@@ -72,6 +72,12 @@ class RerunNotes:
         return {"python_state_not_kept": list(self.python_state_not_kept)} if self.python_state_not_kept else {}
 
 
+class RerunSkipped(Exception):
+    """A ``replayable`` call was not re-run: it can reach an iterator or generator whose position a re-run would
+    advance for good (a DataLoader's iterator, a generator: ``python_state.Snapshot.unrestorable``). The message
+    says which; the step is then diagnosed from its forwards and tapes."""
+
+
 _SCOPES: list[RerunNotes] = []
 """The open :func:`rerun_scope`s, innermost last: where :func:`run_unit` notes what it could not keep."""
 
@@ -84,7 +90,7 @@ def rerun_scope(watched: "Watched") -> Iterator[RerunNotes]:
     not be is noted in the :class:`RerunNotes` it yields."""
     notes = RerunNotes()
     _SCOPES.append(notes)
-    rng = RngState.current()
+    rng = RngState.current(host=True)  # Python's and NumPy's streams too: a replayable call's re-run draws from them
     buffers = {n: b.detach().clone() for n, b in watched.root.named_buffers()}
     was_training = watched.root.training
     writes = WriteGuard() if not watched.sharded else contextlib.nullcontext()
@@ -291,6 +297,10 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
              together: bool = False, inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> UnitResult:
     """Replay one unit from its recorded state. Call inside :func:`rerun_scope`.
 
+    A ``replayable`` call that can reach an iterator or generator whose position cannot be put back is not re-run:
+    :class:`RerunSkipped` is raised before any of its code runs. Python's ``random`` and NumPy's global stream
+    start from the real call's entry states and are put back afterwards, like torch's generators.
+
     The Python state the unit's code can reach (a ``replayable`` function's bound object, closure cells,
     the globals it names, its arguments; the plain attributes of the user's module classes) is
     snapshotted first and put back in place, whether the re-run returned or raised (``python_state.py``):
@@ -308,11 +318,19 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
     """
     code = unit.fn if isinstance(unit, CallRecord) else _callee(watched, unit)
     snapshot = snapshot_of(code, unit.args, unit.kwargs)
+    if isinstance(unit, CallRecord) and snapshot.unrestorable and not together:  # (lockstep: every rank must run it)
+        reached = ", ".join(dict.fromkeys(snapshot.unrestorable))
+        raise RerunSkipped(f"the call can advance an iterator it reaches: {reached}")
     scope = _SCOPES[-1] if _SCOPES else RerunNotes()
+    # the call draws from Python's / NumPy's streams: _run_unit starts it from the real call's entry states
+    # (unit.rng); the states from before the re-run are put back after it
+    host = RngState.current(host=True) if isinstance(unit, CallRecord) else None
     try:
         result = _run_unit(watched, unit, full_precision=full_precision, backward=backward, together=together,
                            inputs=inputs)
     finally:  # returned or raised
+        if host is not None:
+            host.restore()
         if isinstance(unit, CallRecord) or not _SCOPES:
             scope.put_back(snapshot)  # a re-run of the call starts from the state the real call met, every time
         else:
