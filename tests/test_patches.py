@@ -223,3 +223,25 @@ def test_every_patch_is_declared() -> None:
         assert p.target in declared, p.target
     assert "GradScaler" in declared and "gc.get_referrers" in declared and "marker attributes" in declared
     assert isinstance(BACKWARD, FunctionPatch)
+
+
+def test_watch_leaves_the_users_python_and_numpy_random_streams_alone() -> None:
+    """A fresh process (nothing of rich imported yet): the first ``watch()`` imports nantrace's console, whose
+    dependency draws from Python's global RNG at import; the user's stream must not move."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import random, torch
+        from torch import nn
+        import nantrace
+        random.seed(0); expected = [random.random() for _ in range(3)]; random.seed(0)
+        model = nn.Linear(2, 1)
+        guard = nantrace.watch(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        got = [random.random() for _ in range(3)]
+        guard.close()
+        print(got == expected)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout + out.stderr

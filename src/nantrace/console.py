@@ -31,11 +31,18 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rich.console import Console, ConsoleOptions, Group, RenderResult
-from rich.panel import Panel
-from rich.syntax import Syntax
-from rich.table import Table
-from rich.text import Text
+import random as _random
+
+_USER_RANDOM = _random.getstate()  # rich draws from Python's global RNG as it is imported (rich.style)
+try:
+    from rich.console import Console, ConsoleOptions, Group, RenderResult
+    from rich.panel import Panel
+    from rich.syntax import Syntax
+    from rich.table import Table
+    from rich.text import Text
+finally:
+    _random.setstate(_USER_RANDOM)  # nantrace changes nothing the user's training draws
+    del _USER_RANDOM
 
 from .incident import Incident
 
