@@ -225,7 +225,7 @@ def test_every_patch_is_declared() -> None:
     assert isinstance(BACKWARD, FunctionPatch)
 
 
-def test_watch_leaves_the_users_python_and_numpy_random_streams_alone() -> None:
+def test_watch_leaves_the_users_python_random_stream_alone() -> None:
     """A fresh process (nothing of rich imported yet): the first ``watch()`` imports nantrace's console, whose
     dependency draws from Python's global RNG at import; the user's stream must not move."""
     import subprocess
