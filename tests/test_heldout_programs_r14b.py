@@ -111,23 +111,7 @@ class Case:
 
 
 CASES: dict[str, Case] = {}
-_PARAM_OWN_VALUES = (
-    "nantrace: nonfinite_param, phase None, op/module-line None, cause nonfinite_param ('changed between steps: a "
-    "checkpoint loaded mid-run or an in-place write'). Right: {right}. Why: gradient_code.replay_parameter_writes "
-    "replays the step code on stand-ins holding the parameters' CURRENT (already non-finite) values, because no tape "
-    "keeps a parameter's value from before an in-place write (LossTape.before_write skips leaves that require grad; "
-    "the `kept` dict is empty). Every value the code computes from the parameter itself ({reads}) is marked tainted "
-    "(_WriteWatch), and _conclude_parameter_writes gives up at `own or id(origin.record) in found.tainted` "
-    "(details['parameter_writes']: 'computed ({op}) from values no tape keeps from before the write'). General fix: "
-    "copy a parameter before the FIRST in-place write that the loss tape after a backward() or the gradient tape "
-    "records into it (copy-on-first-write in LossTape.before_write extended to parameters, under the same size "
-    "budget; only steps whose code writes parameters pay), and start the stand-ins from those copies (`kept`).")
-XFAIL: dict[str, str] = {
-    f"asam_port_without_eps_hinge_batch_all_margins_met[{m}]": _PARAM_OWN_VALUES.format(
-        right="aten.reciprocal.default at `rho / grad_norm` (asam_scale), phase optimizer, module body.0, div_by_zero",
-        reads="ASAM's |p| * grad in the norm and p**2 in e_w", op="aten.pow.Tensor_Scalar")
-    + " Checked: the same program with plain SAM's e_w = grad * scale (no read of p) is diagnosed exactly as expected."
-    for m in MODES}
+XFAIL: dict[str, str] = {}
 XFAIL.update({
     f"global_optimizer_step_pre_hook_block_normalised_gradient_head_without_labels[{m}]":
         "nantrace: nonfinite_grad, phase backward, aten.div_.Tensor at bng_div, module None, zero_variance_norm "
@@ -142,52 +126,8 @@ XFAIL.update({
         "chain), or, while _global_optimizer_pre_hooks is non-empty, treat its hooks like instance pre-hooks that "
         "follow the guard's (pre_hooks_after_own returns them first; update_replay runs them on the replica)."
     for m in MODES})
-XFAIL.update({
-    f"weight_standardisation_in_place_after_backward_pruned_filter[{m}]": _PARAM_OWN_VALUES.format(
-        right="aten.div_.Tensor at `w.div_(w.std(...))` (ws_div), phase optimizer, module conv, zero_variance_norm "
-              "(API.md: a normalisation of a constant input with eps = 0)",
-        reads="the filter's mean and std", op="aten.mean.dim")
-    + " Second fault once that is fixed: _conclude_parameter_writes rewrites every zero_variance_norm to div_by_zero "
-      "('a weight update divided by a zero norm or std'); a standardisation of the weights themselves is a "
-      "normalisation of constant data, not a divided update: keep zero_variance_norm when the normalised operand is "
-      "the written parameter's own slice (the numerator is parameter minus its mean over the slice of the divisor)."
-    for m in MODES})
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
-STATE_XFAIL: dict[str, str] = {
-    "dwa_task_weighting_history_list_regression_loss_zero_two_steps_before[replayable]":
-        "nantrace: after the run the module-level LOSS_LOG that DynamicWeightAverage.__call__ appends to holds one "
-        "entry more than in the plain run (the re-run of the replayable call appended again; history and calls, the "
-        "object's attributes, are put back). Right: the globals the call's code names are put back, as for a plain "
-        "function (checked: the same loss as a plain function leaves its global log as the plain run). Why: "
-        "localisation/python_state.py Snapshot._process handles a callable OBJECT (callable_owner: the object itself) "
-        "by _attributes only; the function that runs, type(obj).__call__, is never visited, so _function (globals "
-        "named by its code, closure cells, defaults) never applies to it. General fix: when visiting an object of a "
-        "user's class (and any forced owner), also visit the user-defined functions of its class and bases "
-        "(type(obj).__mro__ minus foreign classes: __call__, and the helpers it calls through self), so their "
-        "globals and closures are snapshotted like a plain function's.",
-    "mixup_numpy_beta_python_random_flip_raw_unit_record_softmax_underflow[replayable]":
-        "nantrace: the diagnosis is right, but after the run NumPy's global RNG (and Python's random) are further on "
-        "than in the plain run (np.random.get_state() position 24 vs 20): the re-run of the replayable call drew the "
-        "mixup lambda and the flip a second time, so every later lambda/flip of the run differs from training without "
-        "nantrace (and the re-run itself used other draws than the real call). Right: the user's random streams end "
-        "as in a plain run that skipped the failing update. Why: step_capture.StepRecorder.replayable records "
-        "CallRecord.rng = capture.RngState.current(), which holds torch's CPU/CUDA generators only; the re-run "
-        "restores those and nothing else, and python_state.py deliberately copies no standard-library or numpy "
-        "object. General fix: make RngState also hold random.getstate() and, when numpy is imported "
-        "(sys.modules), numpy.random.get_state(); a re-run starts from the call's entry states and the states from "
-        "before the re-run are put back after it, exactly as for torch's generators (a few microseconds a call).",
-    "fixmatch_step_pulls_unlabeled_batch_from_iterator_blank_spectrum[replayable]":
-        "nantrace: the diagnosis is right (from the tapes: details['replayable_call_finite'] = True, because the "
-        "re-run pulled the NEXT unlabeled batch, which is finite), but the user's unlabeled iterator is one batch "
-        "further than in the plain run (2 left instead of 3): step 4 trains on step 5's unlabeled batch, and nothing "
-        "says so (no python_state_not_kept note). Right: the iterator ends where a plain run leaves it. Why: "
-        "localisation/rerun.run_unit re-runs the replayable call; python_state.Snapshot visits only containers, "
-        "functions and the user's objects, and a list_iterator / generator is a foreign standard-library object that "
-        "is neither copied nor fingerprinted. General fix: when the state a replayable call reaches holds an iterator "
-        "or generator (type has __next__), restore it where the type allows (list/range/tuple iterators: "
-        "__reduce__/__setstate__ position) and otherwise do not re-run the call: diagnose from the forwards, loss tape "
-        "and prelude (as already done when the re-run is finite) and record the reason in the details.",
-}
+STATE_XFAIL: dict[str, str] = {}
 """name[mode] -> why the user's Python state differs from a plain run's after the run (a strict xfail)."""
 
 

@@ -7,10 +7,11 @@ mid-run or an in-place write": ``nonfinite_param``, phase ``None``) and was neve
 that code (the loss tape what ran after one ``backward()`` up to the next forward, the gradient tape what ran after the
 last one): replayed on stand-ins of the parameters, the op whose non-finite value a write carried into a parameter is
 the origin: its op and line, the normal cause rules (a zero divisor in a weight update is ``div_by_zero``, as in the
-optimizer's own update), phase ``optimizer``, module the one holding the first parameter written non-finite, action
+optimizer's own update; the parameter's own values divided by their std or norm, ``zero_variance_norm``), phase ``optimizer``, module the one holding the first parameter written non-finite, action
 ``raised`` (the weights are non-finite before ``step()``: skipping the update cannot repair them). A parameter made
 non-finite between steps (a corrupted checkpoint loaded) keeps ``nonfinite_param`` even when the step's code writes
-into it too (``gradient_code.localise_parameter_writes``).
+into it too (``gradient_code.localise_parameter_writes``). The replay starts from the copies the tapes keep of each
+parameter before the first write into it after a ``backward()`` (``test_parameter_copies_in_healthy_steps``).
 
 Every construction is checked with plain PyTorch first (``test_construction``): an op oracle written here
 (``FirstBad``, a TorchDispatchMode) finds the step, the first op whose floating inputs were finite and whose output was
@@ -212,8 +213,70 @@ def _max_norm() -> Program:
     return Program(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, tag_loss, after_backward=max_norm_rows)
 
 
+# ----------------------------------------------------------------------------- 5. adversarial weight perturbation
+def awp_second_pass(model: nn.Module, opt: torch.optim.Optimizer, batch: Any, loss_fn: Callable) -> None:
+    """Adversarial weight perturbation (as in AWP / layer-wise ASAM ports): each weight climbs gamma * ||w|| * g / ||g||,
+    its own norm over its gradient's (no eps), the gradient is taken there, and the climb is undone before the update."""
+    climbs = []
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                scale = 0.01 * p.norm() / p.grad.norm()  # <origin:awp_scale>
+                e = p.grad * scale
+                p.add_(e)
+                climbs.append((p, e))
+    opt.zero_grad()
+    loss_fn(model, batch).backward()
+    with torch.no_grad():
+        for p, e in climbs:
+            p.sub_(e)
+
+
+def _awp() -> Program:
+    torch.manual_seed(7)
+    model = Regressor()
+    return Program(model, torch.optim.SGD(model.parameters(), lr=0.05), _sam_batches(2), masked_mse,
+                   after_backward=awp_second_pass)
+
+
+# ----------------------------------------------------------------------------- 6. class-incremental, rows standardised
+def standardise_head_rows(model: nn.Module, opt: torch.optim.Optimizer, batch: Any, loss_fn: Callable) -> None:
+    """Each class's weight row kept zero-mean, unit-variance (a cosine-style classifier), written back after backward."""
+    with torch.no_grad():
+        w = model.head.weight
+        w.copy_((w - w.mean(dim=1, keepdim=True)) / w.std(dim=1, keepdim=True))  # <origin:row_std>
+
+
+class Incremental(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.ReLU())
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _incremental() -> Program:
+    """Class-incremental learning: class 4 arrives at step 2, its classifier row initialised to zeros (a constant row)."""
+    torch.manual_seed(8)
+    model = Incremental()
+    g = torch.Generator().manual_seed(34)
+    batches = [(torch.randn(10, 6, generator=g), torch.randint(0, 4 if s < 2 else 5, (10,), generator=g))
+               for s in range(STEPS)]
+
+    def new_class(m: nn.Module, step: int) -> None:
+        if step == 2:
+            m.head.weight[4] = 0.0
+            m.head.bias[4] = 0.0
+
+    return Program(model, torch.optim.SGD(model.parameters(), lr=0.05), batches,
+                   lambda m, b: F.cross_entropy(m(b[0]), b[1]), after_backward=standardise_head_rows,
+                   between_steps=new_class)
+
+
 # ----------------------------------------------------------------------------- 4. negative: a corrupted checkpoint
-def _corrupted_load(with_noise: bool) -> Program:
+def _corrupted_load(with_noise: bool, standardise: bool = False) -> Program:
     """A checkpoint saved after an earlier run's head went NaN, loaded between steps 2 and 3 (a resume by hand);
     with ``with_noise``, the step's code writes every parameter too (finite weight noise), without making them bad."""
     torch.manual_seed(6)
@@ -230,8 +293,13 @@ def _corrupted_load(with_noise: bool) -> Program:
             for p in m.parameters():
                 p.add_(1e-4 * torch.randn_like(p))
 
+    def standardise(m: nn.Module, opt: torch.optim.Optimizer, batch: Any, loss_fn: Callable) -> None:
+        with torch.no_grad():  # the head's rows standardised in place (they read the parameter, NaN since the load)
+            w = m.head.weight
+            w.sub_(w.mean(dim=1, keepdim=True)).div_(w.std(dim=1, keepdim=True))
+
     return Program(model, torch.optim.SGD(model.parameters(), lr=0.05), _noise_batches(-1), mse,
-                   after_backward=noise if with_noise else None, between_steps=load)
+                   after_backward=standardise if standardise else noise if with_noise else None, between_steps=load)
 
 
 CASES: dict[str, tuple[Callable[[], Program], Want]] = {
@@ -239,20 +307,25 @@ CASES: dict[str, tuple[Callable[[], Program], Want]] = {
         _sam, Want(3, "nonfinite_param", "optimizer", "aten.reciprocal.default", "trunk.0", "sam_scale", "div_by_zero")),
     "weight_noise_over_constant_target_std": (
         _noise, Want(2, "nonfinite_param", "optimizer", "aten.div.Tensor", "head", "noise_scale", "div_by_zero")),
+    # the row divided by its own norm: a normalisation of constant (all-zero) data, as the same division in a forward
     "max_norm_projection_of_zero_padding_row": (
-        _max_norm, Want(0, "nonfinite_param", "optimizer", "aten.div_.Tensor", "emb", "max_norm", "div_by_zero")),
+        _max_norm, Want(0, "nonfinite_param", "optimizer", "aten.div_.Tensor", "emb", "max_norm", "zero_variance_norm")),
+    # the weight's own norm over its gradient's: the divisor is a gradient's norm, a zero divisor in a weight update
+    "adversarial_weight_perturbation_no_labelled_target": (
+        _awp, Want(2, "nonfinite_param", "optimizer", "aten.div.Tensor", "trunk.0", "awp_scale", "div_by_zero")),
+    "class_incremental_zero_row_standardised_after_backward": (
+        _incremental, Want(2, "nonfinite_param", "optimizer", "aten.div.Tensor", "head", "row_std",
+                           "zero_variance_norm")),
     "corrupted_checkpoint_loaded_step_code_writes_weights": (
         lambda: _corrupted_load(True), Want(3, "nonfinite_param", None, None, "head", None, "nonfinite_param")),
+    "corrupted_checkpoint_loaded_step_code_standardises_weights": (
+        lambda: _corrupted_load(False, standardise=True),
+        Want(3, "nonfinite_param", None, None, "head", None, "nonfinite_param")),
     "corrupted_checkpoint_loaded_plain_loop": (
         lambda: _corrupted_load(False), Want(3, "nonfinite_param", None, None, "head", None, "nonfinite_param")),
 }
 
-BLOCKED = {
-    "max_norm_projection_of_zero_padding_row":
-        "the projection divides by the norm of the parameter it writes; no tape keeps a parameter's value from before "
-        "an in-place write (LossTape._before_write_of skips leaves that require grad, and the gradient tape keeps no "
-        "copy at all), so the replay reads the row as written (NaN) and proves nothing: nonfinite_param stands",
-}
+BLOCKED: dict[str, str] = {}
 
 
 # ----------------------------------------------------------------------------- the plain-torch oracle
@@ -366,3 +439,60 @@ def test_diagnosis(name: str, mode: str) -> None:
         assert points_at(inc.source, HERE, want.tag), inc.source
         assert inc.transient is False and "before optimizer.step()" in inc.summary, inc.summary
     assert isinstance(error, nantrace.NonFiniteError) and error_step == want.step, repr(error)
+
+
+# ----------------------------------------------------------------------------- the copies the tapes keep
+def _grads_halved(model: nn.Module, opt: torch.optim.Optimizer, batch: Any, loss_fn: Callable) -> None:
+    """Gradients averaged by hand over two workers: writes into ``p.grad`` only, never into a parameter."""
+    for p in model.parameters():
+        p.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("after_backward,copied", [
+    (standardise_head_rows, {"head.weight"}),  # written in place every step (read first): copied once per step
+    (sam_second_pass, None),  # SAM writes every parameter after the first backward(): each copied by the loss tape
+    (_grads_halved, set()),  # gradients written, no parameter: nothing copied, no lookup table built
+])
+def test_parameter_copies_in_healthy_steps(after_backward: Callable, copied: set[str] | None) -> None:
+    """A healthy run whose step code writes after backward(): no incident, training as without nantrace; the tapes hold
+    a copy of exactly the parameters the code wrote, from before its first write (the values at the step's start)."""
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(9)
+        model = Incremental()
+        opt = SAM(model.parameters(), torch.optim.SGD, lr=0.05) if after_backward is sam_second_pass \
+            else torch.optim.SGD(model.parameters(), lr=0.05)
+        return model, opt
+
+    g = torch.Generator().manual_seed(35)
+    batches = [(torch.randn(10, 6, generator=g), torch.randint(0, 5, (10,), generator=g)) for _ in range(3)]
+    loss = lambda m, b: F.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    plain, opt = build()
+    for batch in batches:
+        opt.zero_grad()
+        loss(plain, batch).backward()
+        after_backward(plain, opt, batch, loss)
+        opt.step()
+    model, opt = build()
+    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
+    try:
+        for i, batch in enumerate(batches):
+            opt.zero_grad()
+            loss(model, batch).backward()
+            start = {n: p.detach().clone() for n, p in model.named_parameters()}
+            after_backward(model, opt, batch, loss)
+            tapes = [guard.recorder.tape, guard.recorder.gradient_tape]
+            kept = {n: before for t in tapes for n, p in model.named_parameters()
+                    for held, before in [t.before_write.get(id(p), (None, None))] if held is p}
+            want = set(dict(model.named_parameters())) if copied is None else copied
+            assert set(kept) == want, (i, set(kept))
+            assert all(torch.equal(kept[n], start[n]) for n in kept)
+            if copied == set():  # no parameter written: not even the table of their storages was built
+                assert all(t._param_storage is None for t in tapes)
+            if copied:  # written after the last backward(): both tapes saw the write, and hold one copy between them
+                w = model.head.weight
+                assert tapes[0].before_write[id(w)] is tapes[1].before_write[id(w)]
+            opt.step()
+    finally:
+        guard.close()
+    assert not guard.incidents, [i.summary for i in guard.incidents]
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))

@@ -208,6 +208,10 @@ _GRADIENT_TAPES: "weakref.WeakSet[LossTape]" = weakref.WeakSet()
 _TAPES: "weakref.WeakSet[LossTape]" = weakref.WeakSet()
 """Every live tape (:func:`recording_tapes`)."""
 
+_WINDOW = 0
+"""Counts the windows after a ``backward()`` (each gradient tape's reset starts one): a parameter's copy one tape took
+in the window running now serves the other tape too (:meth:`LossTape._copy_elsewhere`)."""
+
 
 def recording_tapes() -> list["LossTape"]:
     """The tapes that would keep a call made now (recording, outside nantrace's own work and a
@@ -320,6 +324,18 @@ class LossTape(TorchFunctionMode):
         """Bytes of the distinct tensors the kept calls received from outside the tape since the window began: a
         bound on what they can keep alive alone (:meth:`held_alone_bytes`, taken only once this bound passes)."""
         self._snapshot_bytes = 0
+        self._param_window = gradients
+        """Calls now run after a ``backward()`` of the step (always, for a gradient tape; the loss tape from a
+        ``backward()`` to the next forward): a first in-place write into a watched parameter is copied before it
+        (:meth:`_before_param_write`)."""
+        self._param_storage: dict[tuple[int, Any], list[torch.Tensor]] | None = None
+        """The watched parameters by (storage pointer, device), built at the first write that needs it in a step."""
+        self._copied_in: dict[int, int] = {}
+        """``id`` of each parameter this tape copied -> the window (:data:`_WINDOW`) it was copied in."""
+        self._sibling: "weakref.ref[LossTape] | None" = None
+        """The loss tape's gradient tape (:meth:`set_sibling`): what tells a gradient written by hand."""
+        self.watched_parameters: Callable[[], Any] | None = None
+        """The watched model's parameters (a callable); None: found through the recorder that owns this tape."""
         self.earlier: LossTape | None = None
         """The tape of the step's code before this one's (the loss tape's prelude): its reads count as reads."""
         self._recording = False
@@ -353,6 +369,11 @@ class LossTape(TorchFunctionMode):
             self._mark_due = True  # taken at the first call kept: most steps keep none before their forward
         elif not self.gradients:
             self._mark()
+        if not self.prelude and not self.gradients:
+            if lazy:  # the window after a backward() (StepRecorder._after_backward)
+                self._param_window = True
+            elif torch.is_grad_enabled():  # the next forward has run (not a no-grad pass inside the window)
+                self._param_window = False
         self._recording = True
 
     def _mark(self) -> None:
@@ -412,6 +433,13 @@ class LossTape(TorchFunctionMode):
         if self.before_write:
             self.before_write = {}
             self._snapshot_bytes = 0
+        self._param_storage = None
+        self._param_window = self.gradients
+        if self._copied_in:
+            self._copied_in = {}
+        if self.gradients:
+            global _WINDOW
+            _WINDOW += 1  # a new window after a backward() (or a new step) begins
         if self._read:
             self._read = set()
         self._received_bytes = 0
@@ -457,9 +485,12 @@ class LossTape(TorchFunctionMode):
             self._start_over()
         if self._mark_due and name not in _READS:
             self._mark()
-        if not self.gradients and args and isinstance(args[0], torch.Tensor) \
+        if args and (self._param_window or not self.gradients) \
                 and (name in _WRITES or (name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES)):
-            self._before_write_of(args[0])
+            if self._param_window:
+                self._before_param_write(args[0], name)
+            if not self.gradients and isinstance(args[0], torch.Tensor):
+                self._before_write_of(args[0])
         generator = kwargs.get("generator") if kwargs else None
         if generator is not None and isinstance(generator, torch.Generator):  # a replay must draw what this call draws, and leave the user's alone
             self._generators[id(generator)] = _snapshot(generator)
@@ -506,6 +537,84 @@ class LossTape(TorchFunctionMode):
         with _Untaped():
             self.before_write[id(t)] = (t, t.detach().clone())
         self._snapshot_bytes += t.numel() * t.element_size()
+
+    def _before_param_write(self, first: Any, name: str) -> None:
+        """Keep a watched parameter as it is before the first in-place write into it after a ``backward()``
+        (``p.add_``, ``p.data.copy_``, a row of either, ``torch._foreach_add_(params, ...)``): the step's code that
+        wrote it (SAM's first step, a projection) read it before, and a replay of that code must start from the
+        values it read (``gradient_code.replay_parameter_writes``). One copy per parameter and step, under the
+        snapshot budget; a write into anything else costs a lookup of its storage."""
+        if isinstance(first, torch.Tensor):
+            if self._known_gradient(first):  # the common write after a backward(): a gradient scaled by hand
+                return
+            targets: Any = (first,)
+        elif name.startswith("_foreach_") and isinstance(first, (list, tuple)):
+            targets = first
+        else:
+            return
+        try:
+            with torch._C.DisableTorchFunction():  # the lookups and the copy are no calls of the step
+                for t in targets:
+                    if not isinstance(t, torch.Tensor) or self._known_gradient(t):
+                        continue
+                    p = self._watched_parameter(t)
+                    if p is None or id(p) in self.before_write:
+                        continue
+                    if p.numel() > SNAPSHOT_MAX_NUMEL or self._snapshot_bytes > SNAPSHOT_MAX_BYTES:
+                        continue
+                    kept = self._copy_elsewhere(p)
+                    if kept is None:
+                        kept = (p, p.detach().clone())
+                        self._snapshot_bytes += p.numel() * p.element_size()
+                    self.before_write[id(p)] = kept
+                    self._copied_in[id(p)] = _WINDOW
+        except Exception:  # noqa: BLE001  evidence for a later diagnosis, never the program's failure
+            return
+
+    def _known_gradient(self, t: torch.Tensor) -> bool:
+        """``t`` was read through ``param.grad`` in this window (a gradient written by hand: no parameter)."""
+        if self.gradients:
+            read = self._grad_of.get(id(t)) if self._grad_of else None
+            return read is not None and read[0] is t
+        sibling = self._sibling() if self._sibling is not None else None
+        read = sibling._grad_of.get(id(t)) if sibling is not None and sibling._grad_of else None
+        return read is not None and read[0] is t
+
+    def set_sibling(self, gradient_tape: "LossTape") -> None:
+        """The gradient tape recorded beside this loss tape (its owner's): what tells a gradient written by hand."""
+        self._sibling = weakref.ref(gradient_tape)
+
+    def _copy_elsewhere(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The copy of ``p`` another recording tape took before this same write (the loss tape and the gradient tape
+        both record after the last ``backward()``): one copy serves both when it was taken in this window."""
+        for tape in _TAPES:
+            if tape is self or not tape._recording or tape._copied_in.get(id(p)) != _WINDOW:
+                continue
+            kept = tape.before_write.get(id(p))
+            if kept is not None and kept[0] is p:
+                return kept
+        return None
+
+    def _watched_parameter(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The watched parameter whose elements ``t`` lies within (the parameter, ``p.data``, a view of either)."""
+        key = _storage_key(t)
+        if key is None:
+            return None
+        table = self._param_storage
+        if table is None:
+            table = self._param_storage = {}
+            for p in self._parameters():
+                k = _storage_key(p)
+                if k is not None:
+                    table.setdefault(k, []).append(p)
+        for p in table.get(key, ()):
+            if t is p or (t.dtype == p.dtype and _within(t, p)):
+                return p
+        return None
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The watched model's parameters (:attr:`watched_parameters`, set by the step recorder owning this tape)."""
+        return list(self.watched_parameters()) if self.watched_parameters is not None else []
 
     def _gradient_access(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A gradient tape's ``param.grad``: a read is remembered (the tensor names the parameter's
@@ -765,6 +874,29 @@ class LossTape(TorchFunctionMode):
         if self.prelude or self.gradients:
             return bool(self.entries) and not self.truncated
         return bool(self.entries) and not self.truncated and (self.loss is not None or self.failed is not None)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, Any] | None:
+    """(storage pointer, device) of ``t``: a parameter, ``p.data`` and their views share it."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return (ptr, t.device) if ptr else None
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """(first, last) element offsets of ``t`` in its storage."""
+    if not t.numel():
+        return t.storage_offset(), t.storage_offset() - 1
+    return t.storage_offset(), t.storage_offset() + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+
+
+def _within(t: torch.Tensor, p: torch.Tensor) -> bool:
+    """The elements of ``t`` lie within those of ``p`` (contiguous), in the same storage."""
+    lo, hi = _extent(t)
+    plo, phi = _extent(p)
+    return plo <= lo and hi <= phi and p.is_contiguous()
 
 
 def _refs_in(obj: Any, depth: int = 0) -> list[Ref]:

@@ -44,6 +44,11 @@ NOGRAD_FORWARDS = 4
 the replay (inputs, RNG, buffers); an evaluation loop between two steps keeps no more than that."""
 
 _RECORDERS: "weakref.WeakSet[StepRecorder]" = weakref.WeakSet()
+
+
+def _parameters_of(root_ref: "weakref.ref[nn.Module]") -> list[torch.Tensor]:
+    root = root_ref()
+    return list(root.parameters()) if root is not None else []
 """Every live guard's recorder: with two or more, a loss is booked only by the guards whose model
 its graph reaches (``StepRecorder._reaches_model``)."""
 _GRAPH_WALK_LIMIT = 100_000
@@ -86,6 +91,12 @@ class StepRecorder:
             _PRELUDES.add(self.prelude)
             if self.tape is not None:
                 self.tape.earlier = self.prelude  # a tensor the prelude read and the loss code then writes
+        root_ref = weakref.ref(watched.root)
+        for tape in (self.tape, self.gradient_tape):
+            if tape is not None:  # what a write into a parameter after backward() is recognised by (LossTape.before_write)
+                tape.watched_parameters = functools.partial(_parameters_of, root_ref)
+        if self.tape is not None and self.gradient_tape is not None:
+            self.tape.set_sibling(self.gradient_tape)
         _RECORDERS.add(self)
         self._backward_end = _BackwardEnd(self)
         self._probe = _first_parameter_slot(watched.root)

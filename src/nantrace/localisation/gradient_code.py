@@ -143,6 +143,10 @@ _READS_SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "full_like", "empty_li
 where the tensor's values are not."""
 
 
+_FROM_OUTSIDE = frozenset(("",))
+"""The sources of a value the replay received from outside (a gradient, the batch): no parameter's name is empty."""
+
+
 @dataclasses.dataclass
 class ParameterWrites:
     """What a replay of the step's code after ``backward()`` shows about the parameters it wrote."""
@@ -154,6 +158,10 @@ class ParameterWrites:
     start: OpRecord | None = None
     """Where the origin search starts: the op that made the value that write carried in (or the write itself, when
     the parameter's value before it is known finite)."""
+    normalised_own: set[int] = dataclasses.field(default_factory=set)
+    """``id`` of each traced record whose first operand (what a division divides) was computed from the values of the
+    parameter :attr:`param` itself, and its divisor (when a tensor) from those values alone (a standardisation, a row
+    divided by its norm): a division there normalises the parameter's own values, not an update by a gradient's norm."""
     tainted: set[int] = dataclasses.field(default_factory=set)
     """``id`` of each traced record that read a value the replay cannot know (a tensor the code wrote in place whose
     value before the write no tape keeps): an origin among them proves nothing."""
@@ -282,6 +290,17 @@ class _WriteWatch(TorchDispatchMode):
         self.writes: list[_Write] = []
         self.touched: set[str] = set()
         """Every parameter the replay wrote into."""
+        self.derived: dict[tuple[str, int], frozenset[str]] = {k: frozenset((n,)) for k, n in names.items()}
+        """Storage of each value the replay made (and of each stand-in) -> the parameters whose values it was computed
+        from, with :data:`_FROM_OUTSIDE`'s mark when it read a value from outside the replay too (a gradient, the batch)."""
+        self.operand_of: dict[int, tuple[frozenset[str], frozenset[str] | None]] = {}
+        """``id`` of each traced record of an op of two or more operands -> where its first operand (a division's
+        numerator, a normalisation's input) and its second, when a tensor (the divisor), came from."""
+
+    def _sources(self, t: torch.Tensor) -> frozenset[str]:
+        key = _key(t)
+        got = self.derived.get(key) if key is not None else None
+        return got if got is not None else _FROM_OUTSIDE
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
@@ -294,6 +313,11 @@ class _WriteWatch(TorchDispatchMode):
             if short in _READS_SHAPE_ONLY:
                 reads = []
             unknown_in = any(_key(t) in self.tainted for t in reads)
+            from_reads = frozenset().union(*(self._sources(t) for t in reads))
+            operands = None  # an op of two or more operands: what it divides or normalises (a reciprocal has none)
+            if len(args) > 1 and isinstance(args[0], torch.Tensor) and short not in _READS_SHAPE_ONLY:
+                operands = (self._sources(args[0]),
+                            self._sources(args[1]) if isinstance(args[1], torch.Tensor) else None)
             targets = [(self.names[k], t, k in self.tainted, _finite(t)) for t in written
                        if t.is_floating_point() and t.numel() and (k := _key(t)) in self.names]
         seen = len(self.tracer.records)
@@ -302,12 +326,17 @@ class _WriteWatch(TorchDispatchMode):
         with _disable_current_modes():
             if unknown_in:
                 self.tainted_records.update(id(r) for r in made)
+            if operands is not None:
+                self.operand_of.update((id(r), operands) for r in made)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and not any(t is w for w in written) and (k := _key(t)) is not None:
                     (self.tainted.add if unknown_in else self.tainted.discard)(k)
+                    self.derived[k] = from_reads
             for t in written:
                 if unknown_in and (k := _key(t)) is not None:
                     self.tainted.add(k)
+                if (k := _key(t)) is not None:
+                    self.derived[k] = self._sources(t) | from_reads
             for name, t, unknown, finite_before in targets:
                 self.touched.add(name)
                 if _finite(t):
@@ -414,6 +443,9 @@ def replay_parameter_writes(watched: "Watched", capture: Any, bad: list[str], tr
             if start is None and not write.operands:
                 continue  # it wrote into a value already non-finite (unknown before the write) and carried none in
         result.param, result.start = write.param, start
+        own = frozenset((write.param,))
+        result.normalised_own = {r for r, (num, div) in watch.operand_of.items()
+                                 if write.param in num and (div is None or div == own)}
         break
     return result
 
@@ -471,7 +503,11 @@ def _conclude_parameter_writes(watched: "Watched", incident: Any, tracer: OpTrac
                    made_by=tracer.made_by, history=incident.history, divergence_seen=incident.details.get("divergence"))
     if cls.cause in ("nonfinite_param", "nonfinite_input"):
         return
-    if cls.cause == "zero_variance_norm":
+    if cls.cause == "zero_variance_norm" and id(origin.record) in found.normalised_own:
+        # what it divides was computed from the written parameter's own values (a weight standardisation, a row
+        # divided by its norm): a normalisation of constant data, as the same division in a forward
+        cls.evidence["normalised_parameter_values"] = found.param
+    elif cls.cause == "zero_variance_norm":
         # a weight update divided by a zero norm or std (of this step's gradient, of the batch): a zero divisor, as in
         # the optimizer's own update (docs/diagnosis.md); zero_variance_norm names a normalisation of constant data
         cls.cause = "div_by_zero"
