@@ -257,7 +257,8 @@ class Snapshot:
             self._class_code(module, depth)
         for hooks in (module._forward_pre_hooks, module._forward_hooks):  # a user's hook keeps state in its closure
             for hook in list(hooks.values()):
-                self._visit(hook, depth + 1)
+                if _users_hook(hook):  # nantrace's own (the guard's recorder, the part hooks) keep theirs
+                    self._visit(hook, depth + 1)
         for child in module._modules.values():
             if child is not None:
                 self._visit(child, depth + 1)
@@ -368,6 +369,17 @@ def _refill_set(s: set[Any], values: list[Any]) -> None:
         return
     s.clear()
     s.update(values)
+
+
+def _users_hook(hook: Any) -> bool:
+    """A hook the user's code registered: its function (through a ``functools.partial``) and, for a bound method,
+    its object are not of torch, nantrace or an installed package."""
+    target = hook.func if isinstance(hook, functools.partial) else hook
+    owner = getattr(target, "__self__", None)
+    if owner is not None and _foreign(type(owner)):
+        return False
+    function = getattr(target, "__func__", target)
+    return not (callable(function) and _foreign(function))
 
 
 def _refill_sequence(seq: Any, values: list[Any]) -> None:
