@@ -252,3 +252,27 @@ def test_code_between_micro_batches_is_loss_code_and_code_after_the_last_backwar
         assert seen == [(loss_calls, False)]
     finally:
         guard.close()
+
+
+def test_every_replay_of_a_taped_draw_from_a_generator_draws_the_same_values() -> None:
+    """The tape keeps a snapshot of a ``generator=`` argument; a replay draws from a copy of it, so a second replay
+    (the float32 re-run, a bundle's replay) draws what the step drew, not the values after it."""
+    from nantrace.localisation.loss_replay import _Decoder
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
+    try:
+        opt.zero_grad()
+        out = model(torch.randn(8, 4))
+        noise = torch.rand(out.shape, generator=g)
+        (out * noise).sum().backward()
+        [taped] = [a for e in guard.recorder.tape.entries for a in (*e.args, *e.kwargs.values())
+                   if isinstance(a, torch.Generator)]
+        draws = [torch.rand(out.shape, generator=_Decoder({}, set(), [], {})(taped)) for _ in range(2)]
+        assert torch.equal(draws[0], noise) and torch.equal(draws[1], noise)
+        opt.step()
+    finally:
+        guard.close()

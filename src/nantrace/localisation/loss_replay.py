@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..capture import floating_tensors
-from ..loss_tape import LossTape, Ref, tensors_of
+from ..loss_tape import LossTape, Ref, _snapshot, tensors_of
 from ..storage.tape_codec import OutputRef, PreludeRef
 from .rerun import _upcast, autocast_held_off, grad_targets, run_unit
 from .tracer import OpRecord, OpTracer, replay_site
@@ -142,6 +142,8 @@ class _Decoder:
             return [self(v) for v in obj]
         if isinstance(obj, dict):
             return {k: self(v) for k, v in obj.items()}
+        if isinstance(obj, torch.Generator):  # the tape's snapshot stays as taped: every replay draws what the step drew
+            return _snapshot(obj)
         return obj
 
 
