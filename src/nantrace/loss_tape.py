@@ -912,19 +912,22 @@ def _refs_in(obj: Any, depth: int = 0) -> list[Ref]:
     return []
 
 
-def _renumber(obj: Any, at: dict[int, int], depth: int = 0) -> Any:
+def _map_nested(obj: Any, leaf: Callable[[Any], Any], limit: int, depth: int = 0) -> Any:
+    """``obj`` with ``leaf`` applied to each value inside its tuples (not named ones), lists and dicts, expanded
+    ``limit`` levels deep (a call's arguments as the tape encodes them)."""
+    if depth <= limit:
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(_map_nested(v, leaf, limit, depth + 1) for v in obj)
+        if isinstance(obj, list):
+            return [_map_nested(v, leaf, limit, depth + 1) for v in obj]
+        if isinstance(obj, dict):
+            return {k: _map_nested(v, leaf, limit, depth + 1) for k, v in obj.items()}
+    return leaf(obj)
+
+
+def _renumber(obj: Any, at: dict[int, int]) -> Any:
     """A call's arguments with each :class:`Ref` pointing at the call's new position (a start-over's survivors)."""
-    if isinstance(obj, Ref):
-        return Ref(at[obj.entry], obj.slot)
-    if depth > 4:
-        return obj
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_renumber(v, at, depth + 1) for v in obj)
-    if isinstance(obj, list):
-        return [_renumber(v, at, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _renumber(v, at, depth + 1) for k, v in obj.items()}
-    return obj
+    return _map_nested(obj, lambda v: Ref(at[v.entry], v.slot) if isinstance(v, Ref) else v, 4)
 
 
 def _same(replayed: Any, real: torch.Tensor) -> bool:
@@ -1062,18 +1065,8 @@ def _data_access(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     return out
 
 
-def _name_outputs(obj: Any, positions: dict[int, OutputRef], depth: int = 0) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return positions.get(id(obj), obj)
-    if depth > 3:
-        return obj
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_name_outputs(v, positions, depth + 1) for v in obj)
-    if isinstance(obj, list):
-        return [_name_outputs(v, positions, depth + 1) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _name_outputs(v, positions, depth + 1) for k, v in obj.items()}
-    return obj
+def _name_outputs(obj: Any, positions: dict[int, OutputRef]) -> Any:
+    return _map_nested(obj, lambda v: positions.get(id(v), v) if isinstance(v, torch.Tensor) else v, 3)
 
 
 def unread_nograd_forwards(tape: LossTape | None, prelude: LossTape | None, units: Sequence[Any]) -> set[int]:
