@@ -44,13 +44,16 @@ NOGRAD_FORWARDS = 4
 the replay (inputs, RNG, buffers); an evaluation loop between two steps keeps no more than that."""
 
 _RECORDERS: "weakref.WeakSet[StepRecorder]" = weakref.WeakSet()
+"""Every live guard's recorder: with two or more, a loss is booked only by the guards whose model
+its graph reaches (``StepRecorder._reaches_model``)."""
 
 
 def _parameters_of(root_ref: "weakref.ref[nn.Module]") -> list[torch.Tensor]:
+    """The watched model's parameters, while it lives (what a tape recognises a write into a parameter by)."""
     root = root_ref()
     return list(root.parameters()) if root is not None else []
-"""Every live guard's recorder: with two or more, a loss is booked only by the guards whose model
-its graph reaches (``StepRecorder._reaches_model``)."""
+
+
 _GRAPH_WALK_LIMIT = 100_000
 
 _PARTS_RETRY = 64
