@@ -112,20 +112,6 @@ class Case:
 
 CASES: dict[str, Case] = {}
 XFAIL: dict[str, str] = {}
-XFAIL.update({
-    f"global_optimizer_step_pre_hook_block_normalised_gradient_head_without_labels[{m}]":
-        "nantrace: nonfinite_grad, phase backward, aten.div_.Tensor at bng_div, module None, zero_variance_norm "
-        "('the code between backward() and optimizer.step() made seg_head.weight ... non-finite'). Right: 7a's "
-        "diagnosis (phase optimizer, module seg_head, div_by_zero, as docs/diagnosis.md rules for user code inside "
-        "step()): the hook runs inside optimizer.step(). Why: optimizer_step.put_first / pre_hooks_after_own only "
-        "reorder and inspect the INSTANCE table optimizer._optimizer_step_pre_hooks, but torch runs "
-        "torch.optim.optimizer._global_optimizer_pre_hooks first (chain(global, instance) in Optimizer.step's "
-        "wrapper), so a global hook runs before the guard's check; the gradients it wrote are read as the step "
-        "code's after backward() (gradient_code) and classified by that phase's rules. General fix: do the step "
-        "check in the instance wrapper of optimizer.step that the guard already installs (it runs before torch's hook "
-        "chain), or, while _global_optimizer_pre_hooks is non-empty, treat its hooks like instance pre-hooks that "
-        "follow the guard's (pre_hooks_after_own returns them first; update_replay runs them on the replica)."
-    for m in MODES})
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 STATE_XFAIL: dict[str, str] = {}
 """name[mode] -> why the user's Python state differs from a plain run's after the run (a strict xfail)."""

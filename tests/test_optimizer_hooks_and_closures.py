@@ -59,6 +59,23 @@ class Program:
     hook: Callable[..., Any] | None = None
     hook_after_watch: bool = False
     """The step pre-hook is registered after ``nantrace.watch()`` (else before it)."""
+    hook_global: bool = False
+    """The hook is registered for every optimizer with torch's global ``register_optimizer_step_pre_hook`` (as a
+    tooling library installs it): torch runs global hooks before the optimizer's own."""
+
+    def register(self) -> Any:
+        if self.hook_global:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            return register_optimizer_step_pre_hook(self.hook)
+        return self.optimizer.register_step_pre_hook(self.hook)
+
+
+def globally(build: Callable[[], Program], after_watch: bool) -> Callable[[], Program]:
+    """``build``'s program with its step pre-hook registered as a global hook, before or after ``watch()``."""
+    def program() -> Program:
+        return dataclasses.replace(build(), hook_global=True, hook_after_watch=after_watch)
+    return program
 
 
 @dataclasses.dataclass
@@ -273,6 +290,13 @@ CASES: dict[str, tuple[Callable[[], Program], Want, int | None]] = {
     "gradient_centralisation_pre_hook_after_watch_black_frames":
         (_centralised, Want("nonfinite_param", "optimizer", "aten.div.Tensor", "encoder", "gc_scale", "div_by_zero"),
          None),
+    # the same hooks registered for every optimizer with torch's global step pre-hook (run before instance hooks)
+    "recommender_item_row_normaliser_global_pre_hook_before_watch":
+        (globally(_recommender, False), Want("nonfinite_param", "optimizer", "aten.div_.Tensor", "items", "item_rows",
+                                             "div_by_zero"), None),
+    "gradient_centralisation_global_pre_hook_after_watch_black_frames":
+        (globally(_centralised, True), Want("nonfinite_param", "optimizer", "aten.div.Tensor", "encoder", "gc_scale",
+                                            "div_by_zero"), None),
     "lbfgs_pinn_relative_error_zero_reading":
         (_pinn, Want("nonfinite_loss", "forward", "aten.div.Tensor", None, "pinn_rel", "div_by_zero"), 1),
     "lbfgs_logistic_regression_saturated_sigmoid":
@@ -285,6 +309,7 @@ CASES: dict[str, tuple[Callable[[], Program], Want, int | None]] = {
 QUIET: dict[str, Callable[[], Program]] = {
     "weight_standardising_pre_hook_with_eps": _standardised,
     "lbfgs_logistic_regression_strong_wolfe_clean": lambda: _logreg(False, "strong_wolfe"),
+    "weight_standardising_global_pre_hook_with_eps": globally(_standardised, False),
 }
 
 
@@ -310,13 +335,14 @@ def train(program: Program, mode: str | None, *, skip: frozenset[int] = frozense
     """The loop (``mode=None``: without nantrace; steps in ``skip`` are not run). Returns the guard, whether the
     parameters were unchanged by each step that reported a blocking incident, and the final state."""
     model, opt = program.model, program.optimizer
+    handles = []
     if program.hook is not None and not program.hook_after_watch:
-        opt.register_step_pre_hook(program.hook)
+        handles.append(program.register())
     guard = None
     if mode is not None:
         guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
     if program.hook is not None and program.hook_after_watch:
-        opt.register_step_pre_hook(program.hook)
+        handles.append(program.register())
     loss_fn = guard.replayable(program.loss) if mode == "replayable" else program.loss
     unchanged: dict[int, bool] = {}
     try:
@@ -342,6 +368,8 @@ def train(program: Program, mode: str | None, *, skip: frozenset[int] = frozense
     finally:
         if guard is not None:
             guard.close()
+        for handle in handles:
+            handle.remove()
     return guard, unchanged, state_of(program)
 
 
@@ -376,9 +404,16 @@ def plain_failure(program: Program) -> dict[str, Any]:
     """Without nantrace: the first step whose loss (any closure evaluation), gradients at the entry of step() or
     parameters after it are non-finite, the evaluation, and the ops that made a non-finite value at that step."""
     model, opt = program.model, program.optimizer
-    if program.hook is not None:
-        opt.register_step_pre_hook(program.hook)
+    handle = program.register() if program.hook is not None else None
     rec = Made()
+    try:
+        return _plain_failure(program, model, opt, rec)
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _plain_failure(program: Program, model: nn.Module, opt: torch.optim.Optimizer, rec: "Made") -> dict[str, Any]:
     with rec:
         for step, batch in enumerate(program.batches):
             found: dict[str, Any] = {}
@@ -489,3 +524,36 @@ def test_lbfgs_host_reads_are_bounded() -> None:
     (plain, n_plain), (watched_reads, n_watched) = counts[False], counts[True]
     assert n_plain == n_watched > 1
     assert watched_reads - plain <= 2 + (n_watched - 1), (plain, watched_reads, n_watched)
+
+
+def test_global_hooks_are_left_as_found_and_a_guard_opened_inside_the_global_chain_registers_later() -> None:
+    """The guard's global hook is removed by ``close()``; under ``nantrace run``'s pairing at the first step (a
+    guard opened from inside torch's global hook chain, which must not be changed while it runs) the guard
+    registers it at its own instance hook, and a user's global hook is checked as the optimizer's code from the
+    next step on."""
+    from torch.optim import optimizer as optimizer_module
+
+    from nantrace.autowatch import AutoWatch
+
+    before = dict(optimizer_module._global_optimizer_pre_hooks)
+    program = globally(_recommender, False)()
+    handle = program.register()
+    try:
+        with AutoWatch(config=nantrace.Config(outputs={"print_incidents": False})) as auto:
+            model = program.model
+            # the loss's own temperature is stepped too: a partial owner, so AutoWatch pairs at the first step
+            temperature = nn.Parameter(torch.ones(()))
+            opt = torch.optim.SGD([*model.parameters(), temperature], lr=0.05, momentum=0.9)
+            for batch in program.batches:
+                opt.zero_grad()
+                F.binary_cross_entropy_with_logits(model(batch[0], batch[1]) * temperature, batch[2]).backward()
+                opt.step()
+            [guard] = auto.guards
+            assert guard.optimizer is opt and guard._global_handle is not None  # registered at its instance hook
+        blocking = [i for i in auto.incidents if i.action != "logged"]
+        assert [(i.step, i.kind, i.phase, i.op, i.module, i.cause) for i in blocking] == [
+            (FAIL, "nonfinite_param", "optimizer", "aten.div_.Tensor", "items", "div_by_zero")]
+        assert guard.closed
+    finally:
+        handle.remove()
+    assert dict(optimizer_module._global_optimizer_pre_hooks) == before

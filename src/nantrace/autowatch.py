@@ -46,6 +46,7 @@ from torch import nn
 from .config import Config
 from .errors import NonFiniteError
 from .integrations import GuardSession, check_watch_kwargs
+from .optimizer_step import in_global_chain
 from .patches import AttributePatch, patch_attribute
 
 __all__ = ["AutoWatch", "ScriptResult", "default_run_dir", "run_script"]
@@ -59,6 +60,9 @@ class AutoWatch:
     :func:`nantrace.watch`. ``close()`` (or leaving the ``with`` block) closes every guard
     and removes every global hook.
     """
+
+    _nantrace_step_hooks = True
+    """Its global step pre-hook is nantrace's own (``optimizer_step.own_hook``): not the user's code."""
 
     def __init__(self, *, run_dir: str | os.PathLike[str] | None = None, on_anomaly: str = "skip",
                  config: Config | None = None) -> None:
@@ -189,7 +193,8 @@ class AutoWatch:
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self.closed and optimizer not in self._seen:
-            self._attach(optimizer, None)
+            with in_global_chain():  # a guard opened here registers its global hook at its own instance hook
+                self._attach(optimizer, None)
 
     def _patch_optimizer_class(self) -> None:
         original = torch.optim.Optimizer.__init__

@@ -46,7 +46,8 @@ from .dynamics.registry import build_monitors
 from .errors import NonFiniteError
 from .fsdp_grad_check import watch_fsdp_local_grads
 from .incident import Incident
-from .optimizer_step import ClosureRun, StepAbandoned, evaluation_finite, pre_hooks_after_own, put_first
+from .optimizer_step import (ClosureRun, StepAbandoned, evaluation_finite, global_hooks_after_own, pre_hooks_after_own,
+                             put_first, register_first_global)
 from .patches import BACKWARD, EXCEPTHOOK, FUNCTION_APPLY, VALUE_CHECK_FUNCTIONS, PatchUnit
 from .reporting import Reporter
 from .response.checkpoints import CheckpointGate
@@ -137,6 +138,10 @@ class Guard:
         self._decision: Decision | None = None
         self._closure_run: ClosureRun | None = None
         """The ``optimizer.step(closure)`` in progress: its evaluations so far."""
+        self._global_handle: Any = None
+        """The guard's global step pre-hook (``_register_global_pre``), ``None`` until registered."""
+        self._decided_globally = False
+        """This step was decided in the global pre-hook (a user's global hook follows it): the instance hook passes."""
         self.in_scaler_step = False
         """``scaler.step(optimizer)`` is running: the optimizer's own hooks leave the step to the scaler's."""
         self._last_row: dict[str, Any] | None = None
@@ -218,8 +223,9 @@ class Guard:
         if self.update_check is not None:
             self.update_check.on_raise = self._optimizer_raised
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
+            self._handles.append(self.optimizer.register_step_pre_hook(self._instance_pre))
             put_first(self.optimizer, self._handles[-1])  # a user's pre-hook is the optimizer's code, checked as such
+            self._register_global_pre()
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
         if self.scaler is not None:
             patch_scaler(self, self._patches)
@@ -271,6 +277,30 @@ class Guard:
         return self.recorder.replayable(fn)
 
     # ------------------------------------------------------------ the optimizer's step
+    def _register_global_pre(self) -> None:
+        """The guard's global step pre-hook, first of all (``optimizer_step.register_first_global``); deferred to
+        the first step when the guard opens inside torch's global hook chain (AutoWatch pairing at a step)."""
+        if self._global_handle is None:
+            self._global_handle = register_first_global(self._global_pre)
+            if self._global_handle is not None:
+                self._handles.append(self._global_handle)
+
+    def _global_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        """Torch's global step pre-hooks run before the instance hooks: while a user's global hook follows this
+        one, the step is decided here, so that the hook is code of the optimizer's step, checked as such."""
+        if optimizer is not self.optimizer:
+            return None
+        self._decided_globally = bool(global_hooks_after_own(optimizer))
+        return self._optimizer_pre(optimizer, args, kwargs) if self._decided_globally else None
+
+    def _instance_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        if self._global_handle is None:
+            self._register_global_pre()
+        if self._decided_globally:
+            self._decided_globally = False
+            return None
+        return self._optimizer_pre(optimizer, args, kwargs)
+
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         self.recorder.end_step_code()
         if self._pending_exception is not None:  # the user caught a failure of this step and went on

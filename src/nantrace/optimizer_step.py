@@ -7,6 +7,11 @@
   also run inside the optimizer phase), and while any hook follows it (:func:`pre_hooks_after_own`, a dict length
   per step) the update is copied and checked instead of proven. ``update_replay`` runs those hooks on its replica,
   so an origin in a hook is named as the hook's op, phase ``optimizer``.
+- **Global step pre-hooks** (``torch.optim.optimizer.register_optimizer_step_pre_hook``, as a tooling library
+  installs them): torch runs them before every optimizer's instance hooks. The guard keeps a global hook of its own
+  at the front of that dict (:func:`register_first_global`); while a user's global hook follows it
+  (:func:`global_hooks_after_own`), the step is decided there instead of in the instance hook, and the user's
+  global hooks count among the hooks that follow the check.
 - **Closures** (``optimizer.step(closure)``): an optimizer may evaluate the closure several times per step (L-BFGS'
   iterations and line search, SAM's second pass). The guard decides the step on the first evaluation as for any
   step; each later evaluation is captured like a step and checked with one host read
@@ -18,13 +23,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["ClosureRun", "StepAbandoned", "evaluation_finite", "own_hook", "pre_hooks_after_own", "put_first"]
+__all__ = ["ClosureRun", "StepAbandoned", "evaluation_finite", "global_hooks_after_own", "in_global_chain",
+           "own_hook", "pre_hooks_after_own", "put_first", "register_first_global"]
+
+_global_chain_depth = 0
+"""How many of nantrace's global step pre-hooks are running (:func:`in_global_chain`): torch is iterating its
+global dict then, and a hook registered into it would break that iteration."""
 
 
 def own_hook(hook: Any) -> bool:
@@ -42,13 +53,65 @@ def put_first(optimizer: torch.optim.Optimizer, handle: Any) -> None:
         hooks.move_to_end(hook_id, last=False)
 
 
+_GLOBAL_PRE_HOOKS = getattr(importlib.import_module("torch.optim.optimizer"), "_global_optimizer_pre_hooks", None)
+"""Torch's process-wide step pre-hooks (an ordered dict torch keeps for the life of the process)."""
+
+
+def _global_pre_hooks() -> Any:
+    return _GLOBAL_PRE_HOOKS
+
+
+class in_global_chain:  # noqa: N801 - used as a statement: ``with in_global_chain():``
+    """Marks code run from a global step pre-hook of nantrace's (AutoWatch pairing an optimizer at its step): a
+    guard opened there registers its own global hook later, from its instance hook (:func:`register_first_global`)."""
+
+    def __enter__(self) -> None:
+        global _global_chain_depth
+        _global_chain_depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        global _global_chain_depth
+        _global_chain_depth -= 1
+
+
+def register_first_global(hook: Callable[..., Any]) -> Any:
+    """Register ``hook`` as a global step pre-hook run before every other one, and return its handle; ``None``
+    while torch is iterating the global hooks (:class:`in_global_chain`): the caller tries again later."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    hooks = _global_pre_hooks()
+    if _global_chain_depth or not isinstance(hooks, collections.OrderedDict):
+        return None
+    handle = register_optimizer_step_pre_hook(hook)
+    hooks.move_to_end(handle.id, last=False)
+    return handle
+
+
+def global_hooks_after_own(optimizer: Any) -> list[Callable[..., Any]]:
+    """The user's global step pre-hooks, when a global hook of the guard watching ``optimizer`` runs before them
+    (empty when the global dict holds only nantrace's hooks: one length check per own hook)."""
+    hooks = _global_pre_hooks()
+    if not hooks:
+        return []
+    values = list(hooks.values())
+    users = [h for h in values if not own_hook(h)]  # a few entries: ours, AutoWatch's, a tooling library's
+    if not users:
+        return []
+    first_user = next(i for i, h in enumerate(values) if not own_hook(h))
+    if not any(getattr(h.__self__, "optimizer", None) is optimizer for h in values[:first_user]):
+        return []
+    return users
+
+
 def pre_hooks_after_own(optimizer: Any) -> list[Callable[..., Any]]:
-    """The user's step pre-hooks that run after nantrace's own check, in torch's order (empty for an optimizer
-    with only nantrace's hook: one length check)."""
+    """The user's step pre-hooks that run after nantrace's own check, in torch's order: global hooks after the
+    guard's global hook (:func:`global_hooks_after_own`), then instance hooks after its instance hook (empty for
+    an optimizer with only nantrace's hooks: a length check or two)."""
+    out = global_hooks_after_own(optimizer)
     hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
     if not hooks or len(hooks) < 2:
-        return []
-    out, seen = [], False
+        return out
+    seen = bool(out)  # decided in the global hook: every instance hook follows the check
     for hook in list(hooks.values()):
         if own_hook(hook):
             seen = True

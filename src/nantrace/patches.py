@@ -75,6 +75,10 @@ DECLARED: tuple[Declared, ...] = (
     Declared("optimizer.step on the watched optimizer instance",
              "an exception escaping the update (a decomposition inside a K-FAC or Shampoo step) is undone and "
              "diagnosed; the wrapper passes it on unchanged", "while the guard's update check is open"),
+    Declared("torch.optim.optimizer's global step pre-hooks (one per guard, moved to the front)",
+             "a user's global step pre-hook (a tooling library's gradient rewrite) runs inside the watched "
+             "optimizer's step after the guard's check, and is checked as the optimizer's code",
+             "while the guard is open"),
     Declared("GradScaler.scale, .unscale_, .step on the watched scaler instance",
              "the scaled loss, whether gradients were unscaled, and the decision before scaler.step",
              "while the guard watching that scaler is open"),
