@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,14 +25,59 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(tmp_path: Path, scenario: str, policy: str = "skip", bundle_ranks: str | None = None,
-              script: Path = SCRIPT) -> list[dict]:
+def _launch(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(script), scenario, policy, str(tmp_path)] + ([bundle_ranks] if bundle_ranks else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)  # a hang fails here
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)  # a hang fails here
+
+
+SYNC_FREE_SCRIPT = Path(__file__).with_name("sync_free_script.py")
+BATCHED: dict[str, list[tuple[str, ...]]] = {
+    # script -> the jobs (its arguments after the output directory: policy[, bundle_ranks]) run in one launch.
+    # A job whose test reads absolute paths the run store wrote (the pointer job) is launched on its own.
+    SCRIPT.name: [(s, "skip") for s in ("nan_input_rank1", "rewatch_nan_rank1", "loss_spike_rank1", "broken_rank1",
+                                        "fsdp_nan_input_rank1", "fsdp_log_rank1", "fsdp_sqrt_rank1",
+                                        "fsdp_lossfn_rank1", "ddp_sqrt_rank1", "fsdp_numerics",
+                                        "fsdp_raise_together", "ddp_reads", "fsdp_reads")]
+                 + [("broken_rank1", "rollback"), ("nan_input_rank1", "raise")],
+    SYNC_FREE_SCRIPT.name: [(s, "skip") for s in ("ddp", "fsdp", "fsdp_log_rank1", "fsdp_sqrt_rank1",
+                                                  "ddp_sqrt_rank1", "ddp_divergence")],
+}
+_batches: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+
+def _batch(script: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """Every job of ``BATCHED[script.name]`` run once per session in one torchrun launch (tests/gloo_batch.py):
+    the output directory (one sub-directory per job) and the launch."""
+    if script.name not in _batches:
+        root = Path(tempfile.mkdtemp(prefix="nantrace-gloo-"))
+        atexit.register(shutil.rmtree, root, True)
+        jobs = []
+        for i, (scenario, *rest) in enumerate(BATCHED[script.name]):
+            out = root / str(i)
+            out.mkdir()
+            jobs.append([str(script), [scenario, rest[0], str(out), *rest[1:]] if script == SCRIPT
+                         else [scenario, rest[0], str(out)]])
+        (root / "jobs.json").write_text(json.dumps(jobs))
+        _batches[script.name] = root, _launch([str(Path(__file__).with_name("gloo_batch.py")), str(root / "jobs.json")],
+                                              timeout=600)
+    return _batches[script.name]
+
+
+def _torchrun(tmp_path: Path, scenario: str, policy: str = "skip", bundle_ranks: str | None = None,
+              script: Path = SCRIPT) -> list[dict]:
+    """Two gloo processes run ``script``'s ``scenario``; each rank's results (``rank{r}.json``) and whatever it
+    wrote are in ``tmp_path``. A job listed in ``BATCHED`` comes from its script's one batched launch (copied)."""
+    job = (scenario, policy) + ((bundle_ranks,) if bundle_ranks else ())
+    if job in BATCHED.get(script.name, ()):
+        root, proc = _batch(script)
+        out = root / str(BATCHED[script.name].index(job))
+        assert all((out / f"rank{r}.json").is_file() for r in range(2)), proc.stdout[-3000:] + proc.stderr[-3000:]
+        shutil.copytree(out, tmp_path, dirs_exist_ok=True)
+    else:
+        proc = _launch([str(script), scenario, policy, str(tmp_path)] + ([bundle_ranks] if bundle_ranks else []))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
