@@ -158,6 +158,10 @@ class CallRecord:
     autocast: AutocastState
     buffers: dict[str, torch.Tensor] | None
     loss: torch.Tensor | None = None
+    entry_values: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    """(argument, a copy of it as the call received it) for each tensor argument the call wrote in place (taken
+    from the step's tapes' before-write copies, :attr:`nantrace.loss_tape.LossTape.before_write`): a re-run starts
+    from these values, not from what the call left (``rewards.sub_(mean).div_(std)`` on the batch's tensor)."""
 
 
 class InputPolicy:

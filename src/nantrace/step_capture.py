@@ -31,7 +31,7 @@ from torch import nn
 from .capture import (AutocastState, BufferPlan, CallRecord, ForwardRecord, InputPolicy, RngState, StepCapture,
                       floating_tensors)
 from .localisation.tracer import user_source
-from .loss_tape import GRADIENT_ENTRIES, PRELUDE_ENTRIES, LossTape, in_transform, untaped
+from .loss_tape import GRADIENT_ENTRIES, PRELUDE_ENTRIES, SNAPSHOT_MAX_NUMEL, LossTape, in_transform, untaped
 from .module_hooks import hook_changes_numerics
 from .watched import Watched
 
@@ -52,6 +52,14 @@ def _parameters_of(root_ref: "weakref.ref[nn.Module]") -> list[torch.Tensor]:
     """The watched model's parameters, while it lives (what a tape recognises a write into a parameter by)."""
     root = root_ref()
     return list(root.parameters()) if root is not None else []
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter (each in-place write moves it), -1 for a tensor without one (an inference tensor)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 _GRAPH_WALK_LIMIT = 100_000
@@ -441,19 +449,67 @@ class StepRecorder:
             record = CallRecord(fn=fn, args=args, kwargs=kwargs, rng=RngState.current(host=True),  # + random, numpy
                                 autocast=AutocastState.current(), buffers=recorder.buffers.snapshot())
             recorder.capture.calls.append(record)
+            received = recorder._received(args, kwargs)
             try:
                 result = fn(*args, **kwargs)
             except Exception as exc:
+                recorder._keep_entry_values(record, received)
                 # A check written in Python (torch.distributions' validation) raises outside any op the
                 # tape sees: note it here, so a loop that catches it still gets its diagnosis.
                 recorder._exception(exc)
                 raise
+            recorder._keep_entry_values(record, received)
             if isinstance(result, torch.Tensor):
                 record.loss = result.detach()
             return result
 
         wrapper._nantrace_replayable = fn  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
+
+    def _received(self, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+        """A ``replayable`` call begins: its tensor arguments count as received by the step's taped code, so that the
+        tapes copy one before the call first writes into it in place (``LossTape.before_write``), even where no call
+        read it first (``x.sub_(m)``). Returns (argument, its version counter, its value now when a write of the
+        step's code before the call was already copied: the tapes copy a tensor once a step, so the call's own write
+        would not be); usually no copy at all."""
+        prelude, tape = self.prelude, self.tape
+        if prelude is None:
+            return []
+        received: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
+        with untaped():
+            tensors = floating_tensors((args, kwargs))
+            written = [t.before_write for t in (prelude, tape) if t is not None and t.before_write]
+            for t in tensors:
+                prelude._read.add(id(t))  # the loss tape reads its prelude's receipts as its own
+                now = None
+                if written and any(id(t) in kept for kept in written) and t.numel() <= SNAPSHOT_MAX_NUMEL:
+                    now = t.detach().clone()
+                received.append((t, _version(t), now))
+        return received
+
+    def _keep_entry_values(self, record: CallRecord,
+                           received: list[tuple[torch.Tensor, int, torch.Tensor | None]]) -> None:
+        """The call has returned (or raised): keep, for each argument it wrote in place (its version counter moved),
+        its value at the call's entry (:attr:`CallRecord.entry_values`), from the copy the tapes took before its
+        first write."""
+        if not received:
+            return
+        entry: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with untaped():
+            written = [t.before_write for t in (self.prelude, self.tape) if t is not None and t.before_write]
+            for t, version, now in received:
+                if _version(t) == version:
+                    continue
+                if now is not None:
+                    entry.append((t, now))
+                    continue
+                for kept in written:
+                    copy = kept.get(id(t))
+                    if copy is not None and copy[0] is t:
+                        entry.append((t, copy[1]))
+                        break
+        record.entry_values = entry or None
 
     def close(self) -> None:
         self._unhook_parts()

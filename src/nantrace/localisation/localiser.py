@@ -28,7 +28,7 @@ from ..loss_tape import unread_nograd_forwards
 from .gradient_code import localise_parameter_writes, replay_gradient_code, replay_written_gradients, replayed_gradients
 from .loss_replay import replay_step, trace_prelude_inputs
 from .rerun import RerunSkipped, float32_model, output_ok, rerun_scope, run_unit
-from .tracer import OpRecord, OpTracer
+from .tracer import OpRecord, OpTracer, _storage_key
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -393,7 +393,8 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
         made = _made_before_forward(watched, capture, units, failing_unit)
         if made is not None:
             origin, tracer = made
-            if incident.kind in ("nonfinite_loss", "nonfinite_grad", "nonfinite_activation"):
+            if incident.kind in ("nonfinite_loss", "nonfinite_grad", "nonfinite_activation") \
+                    and _feeds_model(capture, failing_unit):
                 # what went bad first in the step's dataflow is the model's input (a -inf there passed the capture's
                 # mask rule; the replay shows an op made it, no mask): as for an input made bad in the prelude
                 incident.kind = "nonfinite_input"
@@ -576,6 +577,18 @@ def _made_before_forward(watched: "Watched", capture: StepCapture, units: list[A
     tracer, start = made
     origin = trace_back(start)
     return (origin, tracer) if origin.external is None and origin.record is not None else None
+
+
+def _feeds_model(capture: StepCapture, unit: Any) -> bool:
+    """Whether a non-finite argument of ``unit`` that the step's own code made is an input of a model forward: a
+    forward's argument is; a ``replayable`` call's argument only where the step passed it (or a view of it) to a
+    forward of the model. One the call only used in its loss (the batch's rewards, normalised in place) made the
+    loss non-finite, not the model's input."""
+    if not isinstance(unit, CallRecord):
+        return True
+    bad = {_storage_key(t) for t in floating_tensors((unit.args, unit.kwargs)) if not bool(torch.isfinite(t).all())}
+    bad.discard(None)
+    return any(_storage_key(t) in bad for f in capture.forwards for t in floating_tensors((f.args, f.kwargs)))
 
 
 def _prelude_forgot_calls(capture: StepCapture) -> bool:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakTensorKeyDictionary
 
@@ -62,6 +62,9 @@ class RerunNotes:
     deferred: list[Snapshot] = dataclasses.field(default_factory=list, repr=False)
     """Snapshots taken before the scope's forward re-runs, put back when the scope ends (a later unit of the
     same replay may read what a forward left: a model that keeps its last features as an attribute)."""
+    writes: "WriteGuard | None" = dataclasses.field(default=None, repr=False)
+    """The scope's :class:`WriteGuard` (None under FSDP2): what puts back a ``replayable`` call's arguments that a
+    re-run starts from their values at the call's entry (:func:`_entry_values`)."""
 
     def put_back(self, snapshot: Snapshot) -> None:
         snapshot.restore()
@@ -94,6 +97,7 @@ def rerun_scope(watched: "Watched") -> Iterator[RerunNotes]:
     buffers = {n: b.detach().clone() for n, b in watched.root.named_buffers()}
     was_training = watched.root.training
     writes = WriteGuard() if not watched.sharded else contextlib.nullcontext()
+    notes.writes = writes if isinstance(writes, WriteGuard) else None
     try:
         with watched.replay(), _eager(), _checkpoint_inline(), _silenced(), writes, untaped():  # never the step's code
             yield notes
@@ -340,9 +344,28 @@ def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, ba
     return result
 
 
+def _entry_values(unit: CallRecord) -> None:
+    """Give each argument a ``replayable`` call wrote in place (``rewards.sub_(mean).div_(std)`` on the batch's
+    tensor) its value at the call's entry (:attr:`CallRecord.entry_values`), so that its re-run reads what the real
+    call read, not what it left. Written with every dispatch mode off (the op tracer sees no op of the re-run's
+    own: the argument stays the step's input), after the scope's :class:`WriteGuard` has kept the value it had,
+    which it puts back when the scope ends. Without a guard (FSDP2) the argument is left as it is."""
+    scope = _SCOPES[-1] if _SCOPES else None
+    writes = scope.writes if scope is not None else None
+    if writes is None or not unit.entry_values:
+        return
+    with _disable_current_modes(), torch.no_grad():
+        for t, before in unit.entry_values:
+            if t.shape == before.shape and t.dtype == before.dtype:
+                writes._keep(t)
+                t.copy_(before)
+
+
 def _run_unit(watched: "Watched", unit: Unit, *, full_precision: bool, backward: bool, together: bool,
               inputs: Callable[[torch.Tensor], torch.Tensor] | None) -> UnitResult:
     unit.rng.restore()
+    if isinstance(unit, CallRecord):
+        _entry_values(unit)
     if unit.buffers:
         with torch.no_grad():
             for n, b in watched.root.named_buffers():

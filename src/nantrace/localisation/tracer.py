@@ -581,7 +581,12 @@ class OpTracer(TorchDispatchMode):
             info.record = record
         record.func = func
         if (out_nan and not record.in_nan) or record.creates_nonfinite:
-            record.args, record.kwargs, record.output = kept[0], kept[1], dense(bad[0])
+            # the output of an in-place or out= op is the tensor it wrote, which existed before the replay and
+            # is put back (or written again) after it: a copy keeps its values as this op wrote them
+            output = dense(bad[0])
+            if mutable and any(output is t for t in written_tensors(func, args, kwargs)):
+                output = output.detach().clone()
+            record.args, record.kwargs, record.output = kept[0], kept[1], output
         for t in bad:
             self.producer[t] = record
         if mutable:
