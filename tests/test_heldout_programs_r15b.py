@@ -143,50 +143,7 @@ RAISES: dict[str, tuple[type, str]] = {}
 QUIET: dict[str, Callable[[], Program]] = {}
 XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
-_WHY: dict[str, str] = {
-    "tfidf_bag_sparse_embeddingbag_adagrad_eps0_idf_zero_header_token": (
-        "nantrace: op None, cause unknown ('no single op of the replayed update could be named'; details "
-        "localisation_error 'NotImplementedError: Cannot access storage of SparseTensorImpl', ops_replayed 0). Right: "
-        "aten.div.Tensor (Adagrad's sparse path, grad_values / (sqrt(state_sum) + 0) = 0 / 0), optimizer_state. "
-        "At fault: diagnosis/update_replay.py _OpWatch.__torch_dispatch__ calls localisation/tracer.py tensor_stats -> "
-        "readable(), which reads t.untyped_storage() of every input; the first op of the sparse update "
-        "(grad.coalesce() on the sparse gradient) has a sparse COO input, so the replay raises before any op is "
-        "checked (_nonfinite and "
-        "_zeros would also read a sparse tensor as a whole). With sparse layouts read through their _values() the "
-        "replay names exactly the expected op and cause."),
-    "two_tower_sparse_embeddings_sgd_cold_start_user_hand_written_length_sqrt_backward": (
-        "nantrace: op/module/source None, cause unknown: 'The step could not be replayed ... re-running the model "
-        "raised NotImplementedError: Could not run aten::ne.Scalar / aten::aminmax with arguments from the SparseCPU "
-        "backend'. "
-        "Right: nonfinite_grad, backward, aten.sqrt.default (the hand-written length at an empty history), module "
-        "user_tower, the sqrt's line, grad_singularity. At fault: the replay's finiteness checks assume dense tensors, "
-        "and the model's gradients here are sparse COO (EmbeddingBag/Embedding(sparse=True)): localisation/rerun.py "
-        "_run_unit (grads_finite = torch.isfinite(g).all() over the replayed gradients), localisation/tracer.py "
-        "_all_finite (torch.aminmax), has_nan/has_inf, readable (untyped_storage), tensor_stats. The replay raises, "
-        "localiser._localise turns it into NotReplayable. With those checks reading a sparse tensor's _values() the "
-        "step is diagnosed exactly as expected."),
-    "transe_unit_norm_step_post_hook_padding_entity_row_zero": (
-        "nantrace: NO incident in the whole run: the hook's 0 / 0 put NaN in entity.weight row 0 at step 0 and it "
-        "stayed there (the forward never reads the <pad> row, so no loss or gradient shows it). Right: the update of "
-        "step 0 (optimizer.step() runs the user's step post-hooks before it returns) is non-finite: nonfinite_param, "
-        "phase optimizer, aten.div_.Tensor at the hook's line, module entity, zero_variance_norm (a row over its own "
-        "norm, docs/diagnosis.md 'parameter writes'), skipped and undone. At fault: response/update_check.py takes "
-        "SGD's float32 update as proven from the gradient/parameter norms (last_reasons == [], nothing copied or read "
-        "after the update), although the optimizer holds a user step post-hook (_optimizer_step_post_hooks, here "
-        "registered before watch() so it even runs before Guard._optimizer_post); optimizer_step.py makes a user "
-        "PRE-hook disable the proof and replays it on the replica, post-hooks (per-optimizer and the global "
-        "register_optimizer_step_post_hook) are not considered at all."),
-    "running_normaliser_var_of_last_batch_of_one_updated_in_step_code": (
-        "nantrace: kind nonfinite_loss, action skipped (cause nonfinite_param, module norm, right). Right: kind "
-        "nonfinite_param, action raised: the step's forward read a BUFFER (norm.running_var) that was already NaN "
-        "before the step; API.md's nonfinite_param covers 'a parameter or buffer', and a state the update does not "
-        "write cannot be repaired by skipping (every later step reads it again; docs/escalation.md reports buffers "
-        "non-finite at watch() as nonfinite_param). At fault: localisation/localiser.py _apply rewrites the kind for "
-        "cause nonfinite_input only; when classify() ends at an external 'buffer:...'/'param:...' it keeps the "
-        "triage's kind (nonfinite_loss: triage reads parameters, never buffers) and the action decided before "
-        "localisation (skipped); settle_parameter_writes re-derives the action only for parameters flagged by the "
-        "triage (PARAMS_WITHOUT_UPDATE)."),
-}
+_WHY: dict[str, str] = {}
 XFAIL.update({f"{name}[{mode}]": why for name, why in _WHY.items() for mode in MODES})
 
 

@@ -227,10 +227,11 @@ class StepCapture:
         if self.input_policy.extremes_now:
             _extend_extremes(self._input_extremes, tensors)
             return
-        nested = [t for t in tensors if t.is_nested]
-        if nested:  # a nested tensor has no norm kernel: its extremes now, through its components
-            _extend_extremes(self._input_extremes, nested)
-        self._pending_inputs.extend((t, t._version) for t in tensors if not t.is_nested and t.numel())
+        other = [t for t in tensors if t.is_nested or t.layout != torch.strided]
+        if other:  # a nested or sparse tensor has no norm kernel: its extremes now, through its stored values
+            _extend_extremes(self._input_extremes, other)
+            tensors = [t for t in tensors if not (t.is_nested or t.layout != torch.strided)]
+        self._pending_inputs.extend((t, t._version) for t in tensors if t.numel())
 
     def take_inputs(self) -> list[torch.Tensor]:
         """The noted inputs not yet reduced and still as the forward received them (for the check that
@@ -321,6 +322,10 @@ def _extend_extremes(into: list[torch.Tensor], tensors: list[torch.Tensor]) -> N
         if t.is_nested:  # (a model that returns or takes a nested tensor): its components, flattened
             parts = [p.reshape(-1) for p in t.detach().unbind()]
             t = torch.cat(parts) if parts else torch.zeros(0, dtype=t.dtype)
+        elif t.layout == torch.sparse_coo:  # a sparse tensor (a graph's adjacency): its stored values
+            t = t.detach()._values()
+        elif t.layout != torch.strided:  # compressed layouts (CSR, CSC, BSR, BSC)
+            t = t.detach().values()
         if t.numel():
             lo, hi = torch.aminmax(t.detach())
             if lo.dtype not in _EXACT_IN_FLOAT32:  # float64: 1e300 is finite but not in float32; keep 0.0/NaN

@@ -376,10 +376,30 @@ def bad_inputs(capture: StepCapture) -> list[dict[str, Any]]:
         named = [(f"args[{i}]", a) for i, a in enumerate(record.args)] + [(f"{k}=", v) for k, v in record.kwargs.items()]
         for name, value in named:
             for t in floating_tensors(value):
-                bad = ~torch.isfinite(t.detach())
+                values, rows_of = _stored(t.detach())
+                bad = ~torch.isfinite(values)
                 if not bool(bad.any()):
                     continue
-                rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist() if t.dim() else []
-                out.append({"forward": call, "arg": name, "samples": rows[:32], "nan": int(torch.isnan(t).sum()),
-                            "inf": int(torch.isinf(t).sum())})
+                rows = rows_of(bad) if t.dim() else []
+                out.append({"forward": call, "arg": name, "samples": rows[:32], "nan": int(torch.isnan(values).sum()),
+                            "inf": int(torch.isinf(values).sum())})
     return out
+
+
+def _stored(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], list[int]]]:
+    """The values ``t`` stores, and how a mask over them maps to rows of dim 0 (a sparse input, a graph's
+    adjacency, is read through its stored values: never densified)."""
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce()
+        indices = t._indices()
+        return t._values(), lambda bad: indices[0][bad.reshape(bad.shape[0], -1).any(1)].unique().tolist()
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        crow = t.crow_indices()
+        counts = crow[1:] - crow[:-1]
+        rows = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        scale = t.values().shape[1] if t.layout == torch.sparse_bsr else 1
+        return t.values(), lambda bad: (rows[bad.reshape(bad.shape[0], -1).any(1)] * scale).unique().tolist()
+    if t.layout != torch.strided or t.is_nested:
+        values = t.values() if t.layout != torch.strided else torch.cat([p.reshape(-1) for p in t.unbind()])
+        return values, lambda bad: []
+    return t, lambda bad: bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist()

@@ -46,8 +46,9 @@ from .dynamics.registry import build_monitors
 from .errors import NonFiniteError
 from .fsdp_grad_check import watch_fsdp_local_grads
 from .incident import Incident
-from .optimizer_step import (ClosureRun, StepAbandoned, evaluation_finite, global_hooks_after_own, pre_hooks_after_own,
-                             put_first, register_first_global)
+from .optimizer_step import (ClosureRun, StepAbandoned, evaluation_finite, global_hooks_after_own,
+                             keep_last_global_post, pre_hooks_after_own, put_first, put_last_post,
+                             register_first_global, user_post_hooks)
 from .patches import BACKWARD, EXCEPTHOOK, FUNCTION_APPLY, VALUE_CHECK_FUNCTIONS, PatchUnit
 from .reporting import Reporter
 from .response.checkpoints import CheckpointGate
@@ -142,6 +143,16 @@ class Guard:
         """The guard's global step pre-hook (``_register_global_pre``), ``None`` until registered."""
         self._decided_globally = False
         """This step was decided in the global pre-hook (a user's global hook follows it): the instance hook passes."""
+        self._post_handle: Any = None
+        """The guard's instance step post-hook (kept last among the optimizer's while a user's one is there)."""
+        self._global_post_handle: Any = None
+        """The guard's global step post-hook, registered the first time a user's global post-hook is seen."""
+        self._post_reason: str | None = None
+        """This step runs user step post-hooks after the update (``_post_hooks_follow``): why it is not proven."""
+        self._post_deferred = False
+        """A user's global post-hook runs after the guard's instance post-hook: the global one ends the update."""
+        self._blocked_snapshot = False
+        """A blocked step with user post-hooks: what the step wrote (the hooks' writes) is undone after it."""
         self.in_scaler_step = False
         """``scaler.step(optimizer)`` is running: the optimizer's own hooks leave the step to the scaler's."""
         self._last_row: dict[str, Any] | None = None
@@ -227,6 +238,7 @@ class Guard:
             put_first(self.optimizer, self._handles[-1])  # a user's pre-hook is the optimizer's code, checked as such
             self._register_global_pre()
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
+            self._post_handle = self._handles[-1]
         if self.scaler is not None:
             patch_scaler(self, self._patches)
         self._patches.listen(BACKWARD, rec.on_loss)
@@ -308,6 +320,7 @@ class Guard:
         if self.closed:
             return None
         self._closure_run = None
+        self._post_reason = self._post_hooks_follow()
         if self.in_scaler_step:
             hooks = self._hooks_follow()
             self._prepare_update(self._decision, unproven=hooks, grads=hooks is not None)
@@ -322,9 +335,9 @@ class Guard:
         closure = args[1] if positional else kwargs.get("closure")
         if closure is None:
             hooks = self._hooks_follow()
-            # a user's pre-hook runs after this check: decided on the host, the update copied and checked
-            self._prepare_update(self.decide(grads_scaled=False) if hooks else self._check_step(), unproven=hooks,
-                                 grads=hooks is not None)
+            # a user's pre- or post-hook runs after this check: decided on the host, the update copied and checked
+            self._prepare_update(self.decide(grads_scaled=False) if hooks or self._post_reason else self._check_step(),
+                                 unproven=hooks, grads=hooks is not None)
             return None
         # Frameworks (Lightning) run forward and backward inside step(closure), and an optimizer may evaluate
         # the closure several times (L-BFGS): decide right after its first evaluation has produced the
@@ -344,6 +357,7 @@ class Guard:
         singular matrix, a NaN the step made) it is an incident of kind ``exception``, what the
         update had written is undone, and the user's exception propagates unchanged."""
         decision = self._decision
+        self._post_deferred = False  # the post-hooks did not all run: the step ends here
         if isinstance(exc, StepAbandoned):  # a later evaluation of the closure was non-finite: ended and undone
             self._closure_run = None
             if decision is not None and not self.closed:
@@ -353,12 +367,13 @@ class Guard:
         if self.closed or self.state.replaying or decision is None or isinstance(exc, NonFiniteError):
             return False
         if decision.block and decision.stashed is not None:
-            self._optimizer_post(optimizer, (), {})
+            self._end_update()
             return True
         if self.sharded or getattr(exc, "_nantrace_seen", False) or self.update_check is None:
             return False
         from .diagnosis.update_replay import step_exception_incident
 
+        self._blocked_snapshot = False
         self.update_check.abandon()
         try:
             with torch.no_grad():
@@ -386,6 +401,28 @@ class Guard:
         names = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks[:3])
         return (f"step pre-hooks of the user's ({names}) run inside optimizer.step() after nantrace's check and may "
                 "rewrite the gradients or parameters it read")
+
+    def _post_hooks_follow(self) -> str | None:
+        """Why the update cannot be proven from this check's figures: user step post-hooks run inside
+        ``optimizer.step()`` after the update (``optimizer_step.user_post_hooks``: a dict length or two per step),
+        or ``None``. Puts the guard's post-hooks after them: its instance post-hook last among the optimizer's,
+        and, while a user's global post-hook exists, a global post-hook of its own last among torch's (the update
+        is then ended there: ``_post_deferred``)."""
+        self._post_deferred = False
+        instance, globals_ = user_post_hooks(self.optimizer)
+        if not instance and not globals_:
+            return None
+        put_last_post(self.optimizer, self._post_handle)  # type: ignore[arg-type]
+        if globals_:
+            handle = keep_last_global_post(self._global_post, self._global_post_handle)
+            if handle is not None and handle is not self._global_post_handle:
+                self._global_post_handle = handle
+                self._handles.append(handle)  # removed by close()
+            self._post_deferred = handle is not None
+        hooks = instance + globals_
+        names = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks[:3])
+        return (f"step post-hooks of the user's ({names}) run inside optimizer.step() after the update and may write "
+                "the parameters")
 
     def _checked_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """The closure as the optimizer calls it: the first evaluation is checked as the step (decided, the
@@ -454,7 +491,13 @@ class Guard:
             decision.stashed = [(p, p.grad) for p in params]
             for p in params:
                 p.grad = None
+            if self._post_reason and self.update_check is not None and self._closure_run is None:
+                # the user's post-hooks still run (a renormalisation, a clip): what they write is undone after them
+                self.update_check.before_update(grad_norm=None, param_norm=None, unproven="the step is blocked")
+                self._blocked_snapshot = True
             return
+        if unproven is None:
+            unproven = self._post_reason
         if decision is not None and not decision.scaler_skip and self.update_check is not None:
             self.update_check.before_update(grad_norm=decision.health.grad_norm, param_norm=decision.param_bound,
                                             unproven=unproven, grads=grads)
@@ -463,6 +506,18 @@ class Guard:
                 monitor.before_update(self.step, params)
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._post_deferred:  # else a user's global post-hook follows: the guard's global post-hook ends it
+            self._end_update()
+
+    def _global_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Torch's global step post-hooks run after the instance ones: while a user's global post-hook runs in
+        this optimizer's step, the update is checked here, after it (this hook is kept last)."""
+        if optimizer is self.optimizer and self._post_deferred:
+            self._post_deferred = False
+            self._end_update()
+
+    def _end_update(self) -> None:
+        """After the update and every user's post-hook: check it, then book the step."""
         if self.closed:
             return
         if self._device_step:  # decided on the device: the host books it at the next step
@@ -473,8 +528,9 @@ class Guard:
             self._next_step()
             return
         run, self._closure_run = self._closure_run, None
-        if run is not None and run.snapshot and self.update_check is not None:
-            self.update_check.abandon()  # a blocked closure step: what the optimizer did without gradients is undone
+        snapshot, self._blocked_snapshot = self._blocked_snapshot or (run is not None and run.snapshot), False
+        if snapshot and self.update_check is not None:
+            self.update_check.abandon()  # a blocked step: what the optimizer and hooks did without gradients is undone
         if self._decision is not None and not self._decision.block and self.update_check is not None:
             self._check_update(self._decision)
             self.judge.provenance.updated(None if self._decision.block else self.update_check.param_bound)
@@ -511,7 +567,7 @@ class Guard:
     def _check_step(self) -> Decision | None:
         """Decide this step: on the device when the sync-free mode can (``None`` then: the verdict
         is with the optimizer), otherwise with the step's one host read."""
-        if self.sync_free is not None:
+        if self.sync_free is not None and self._post_reason is None:  # post-hooks: decided and checked on the host
             last = self.reporter.history[-1] if self.reporter.history else self._last_row
             with torch.no_grad():
                 staged = self.sync_free.try_stage(self.recorder.capture, last, self._lrs)

@@ -12,6 +12,14 @@
   at the front of that dict (:func:`register_first_global`); while a user's global hook follows it
   (:func:`global_hooks_after_own`), the step is decided there instead of in the instance hook, and the user's
   global hooks count among the hooks that follow the check.
+- **Step post-hooks** (``optimizer.register_step_post_hook`` and torch's global ``register_optimizer_step_post_hook``):
+  torch runs them inside ``step()`` after the update, the instance hooks first, then the global ones. A hook may
+  write the parameters (a unit-norm projection of embedding rows, a critic's weight clip), so while any user's
+  post-hook runs in the step (:func:`user_post_hooks`: a dict length or two per step) the update is copied and
+  checked after every one of them: the guard's instance post-hook is kept last among the optimizer's
+  (:func:`put_last_post`), and while a user's global post-hook exists the guard ends the update from a global
+  post-hook of its own kept last in torch's global dict (:func:`keep_last_global_post`). ``update_replay`` runs
+  the post-hooks on its replica after the step, so an origin in a hook is named as the hook's op.
 - **Closures** (``optimizer.step(closure)``): an optimizer may evaluate the closure several times per step (L-BFGS'
   iterations and line search, SAM's second pass). The guard decides the step on the first evaluation as for any
   step; each later evaluation is captured like a step and checked with one host read
@@ -31,7 +39,8 @@ from typing import Any
 import torch
 
 __all__ = ["ClosureRun", "StepAbandoned", "evaluation_finite", "global_hooks_after_own", "in_global_chain",
-           "own_hook", "pre_hooks_after_own", "put_first", "register_first_global"]
+           "keep_last_global_post", "own_hook", "post_hooks_of_user", "pre_hooks_after_own", "put_first",
+           "put_last_post", "register_first_global", "user_post_hooks"]
 
 _global_chain_depth = 0
 """How many of nantrace's global step pre-hooks are running (:func:`in_global_chain`): torch is iterating its
@@ -118,6 +127,68 @@ def pre_hooks_after_own(optimizer: Any) -> list[Callable[..., Any]]:
         elif seen:
             out.append(hook)
     return out
+
+
+_GLOBAL_POST_HOOKS = getattr(importlib.import_module("torch.optim.optimizer"), "_global_optimizer_post_hooks", None)
+"""Torch's process-wide step post-hooks (an ordered dict, run after every optimizer's own post-hooks)."""
+_own_global_posts: set[int] = set()
+"""Ids of nantrace's own entries in :data:`_GLOBAL_POST_HOOKS` (registered only while a user's global post-hook
+exists): a user's global post-hook exists while the dict is longer than this set."""
+
+
+def user_post_hooks(optimizer: Any) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]]]:
+    """The user's step post-hooks of an optimizer a guard watches (instance ones, then global ones, each in torch's
+    order); with only nantrace's hooks registered (the guard's own instance post-hook, nantrace's global ones), two
+    length checks per step."""
+    hooks = getattr(optimizer, "_optimizer_step_post_hooks", None)
+    instance = [h for h in hooks.values() if not own_hook(h)] if hooks and len(hooks) > 1 else []
+    glob = _GLOBAL_POST_HOOKS
+    globals_ = [h for h in glob.values() if not own_hook(h)] if glob and len(glob) > len(_own_global_posts) else []
+    return instance, globals_
+
+
+def post_hooks_of_user(optimizer: Any) -> list[Callable[..., Any]]:
+    """Every user's step post-hook that runs after ``optimizer``'s update, in torch's order (instance ones, then
+    global ones): what a replay of the step runs after it (a full scan, for an optimizer watched or not)."""
+    hooks = getattr(optimizer, "_optimizer_step_post_hooks", None) or {}
+    return [h for h in (*hooks.values(), *(_GLOBAL_POST_HOOKS or {}).values()) if not own_hook(h)]
+
+
+def put_last_post(optimizer: torch.optim.Optimizer, handle: Any) -> None:
+    """Run the step post-hook of ``handle`` after every other instance post-hook of ``optimizer`` (called before the
+    step's update, while torch iterates the pre-hooks, never the post-hooks: a no-op when it is last already)."""
+    hooks = getattr(optimizer, "_optimizer_step_post_hooks", None)
+    hook_id = getattr(handle, "id", None)
+    if isinstance(hooks, collections.OrderedDict) and hook_id in hooks and next(reversed(hooks)) != hook_id:
+        hooks.move_to_end(hook_id)
+
+
+class _OwnGlobalPost:
+    """The handle of a global step post-hook of nantrace's (counted in :data:`_own_global_posts`)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle, self.id = handle, handle.id
+        _own_global_posts.add(self.id)
+
+    def remove(self) -> None:
+        _own_global_posts.discard(self.id)
+        self.handle.remove()
+
+
+def keep_last_global_post(hook: Callable[..., Any], handle: Any) -> Any:
+    """Register ``hook`` as a global step post-hook (``handle`` ``None``) or move it to the end of torch's global
+    post-hooks, so that it runs after every user's one; returns its handle (``None`` when torch keeps no ordered
+    dict). Called before the step's update, while torch iterates the pre-hooks, never the post-hooks."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    hooks = _GLOBAL_POST_HOOKS
+    if not isinstance(hooks, collections.OrderedDict):
+        return None
+    if handle is None or handle.id not in hooks:
+        handle = _OwnGlobalPost(register_optimizer_step_post_hook(hook))
+    elif next(reversed(hooks)) != handle.id:
+        hooks.move_to_end(handle.id)
+    return handle
 
 
 class StepAbandoned(Exception):

@@ -79,6 +79,11 @@ DECLARED: tuple[Declared, ...] = (
              "a user's global step pre-hook (a tooling library's gradient rewrite) runs inside the watched "
              "optimizer's step after the guard's check, and is checked as the optimizer's code",
              "while the guard is open"),
+    Declared("torch.optim.optimizer's global step post-hooks (one per guard, kept at the end)",
+             "a user's global step post-hook (a weight clip, a unit-norm projection) writes the parameters after the "
+             "watched optimizer's update: the guard checks the update after it, and undoes a non-finite one",
+             "from the first step of the watched optimizer that meets a user's global post-hook until the guard "
+             "closes"),
     Declared("GradScaler.scale, .unscale_, .step on the watched scaler instance",
              "the scaled loss, whether gradients were unscaled, and the decision before scaler.step",
              "while the guard watching that scaler is open"),

@@ -22,7 +22,7 @@ import torch
 
 from ..localisation.attention import masked_rows
 from ..localisation.origin import Origin
-from ..localisation.tracer import OpInfo, OpRecord, tensor_stats
+from ..localisation.tracer import OpInfo, OpRecord, dense_parts, tensor_stats
 from . import evidence as ev
 from .history import Trend, divergence
 from .family_rules import (DIV_OPS, EXP_OPS, FORWARD_RULES, LOG_OPS, LOW_PRECISION, NORM_OPS, SOFTMAX_OPS, RuleContext,
@@ -78,9 +78,10 @@ def classify(origin: Origin, *, observed_in: str, low_precision_finite: bool | N
     if origin.external is not None:
         ext = origin.external.external or ""
         if ext.startswith("param:") or ext.startswith("buffer:"):
-            name = ext.split(":", 1)[1]
+            kind, name = ext.split(":", 1)
             return Classification("nonfinite_param", None, param_modules.get(name), None, None,
-                                  f"{name} holds {'NaN' if origin.external.nan else 'Inf'} values", None, [])
+                                  f"{name} holds {'NaN' if origin.external.nan else 'Inf'} values", None, [],
+                                  {"buffer": name} if kind == "buffer" else {})
         if ext == "input":
             return Classification("nonfinite_input", None, None, None, "data",
                                   "a floating-point tensor of the batch holds "
@@ -355,11 +356,13 @@ def _zero_divisor(rec: OpRecord, args: Any, kwargs: Any, shape: torch.Size,
             zeros = ev.count(at_bad, lambda v: v == 0)
             if zeros != at_bad.numel():
                 continue
-        except RuntimeError:  # not positional (a reduction's input): its zeros anywhere
-            zeros = ev.count(x, lambda v: v == 0)
+        except RuntimeError:  # not positional (a reduction's input, a sparse operand): its (stored) zeros anywhere
+            zeros = sum(ev.count(part, lambda v: v == 0) for part in dense_parts(x))
         if not zeros:
             continue
-        nudged = torch.where(x == 0, torch.full_like(x, _NUDGE), x)
+        nudged = _nudged(x)
+        if nudged is None:
+            continue
         if index < len(args or ()):
             new_args, new_kwargs = tuple(nudged if i == index else a for i, a in enumerate(args)), kwargs
         else:
@@ -485,9 +488,27 @@ def _backward_cause(rec: OpRecord, fwd: OpInfo | None, ctx: RuleContext) -> Verd
             f"it overflowed {dtype}" + (f" (incoming gradient up to {ev.fmt(incoming)})" if incoming else ""), facts)
 
 
+def _nudged(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` with its zeros moved to :data:`_NUDGE` (of a sparse COO tensor: its stored zeros; ``None`` for
+    another layout)."""
+    if x.layout == torch.strided:
+        return torch.where(x == 0, torch.full_like(x, _NUDGE), x)
+    if x.layout != torch.sparse_coo:
+        return None
+    c = x.coalesce()
+    values = c.values()
+    return torch.sparse_coo_tensor(c.indices(), torch.where(values == 0, torch.full_like(values, _NUDGE), values),
+                                   c.shape, is_coalesced=True)
+
+
 def _incoming_max(rec: OpRecord) -> float | None:
-    vals = [float(a.detach().abs().max()) for a in (rec.args or ()) if isinstance(a, torch.Tensor)
-            and a.is_floating_point() and a.numel() and bool(torch.isfinite(a).all())]
+    """The largest |value| of the finite floating arguments of a backward op (of a sparse one: its stored values)."""
+    vals = []
+    for a in rec.args or ():
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.numel():
+            parts = [part for part in dense_parts(a.detach()) if part.numel()]
+            if parts and all(bool(torch.isfinite(part).all()) for part in parts):
+                vals.append(max(float(part.abs().max()) for part in parts))
     return max(vals) if vals else None
 
 

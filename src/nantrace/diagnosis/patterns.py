@@ -177,6 +177,14 @@ AT_END_OF_DIVERGENCE: dict[str, Pattern] = {p.cause: p for p in (
 )}
 
 
+NONFINITE_BUFFER = Pattern("nonfinite_param", (), "A buffer was already non-finite before this step{detail}.",
+                           "A buffer is not stepped by the optimizer: the model's code or the step's own code writes "
+                           "it (a running statistic, an EMA, an input normaliser's update) or a checkpoint loads it. "
+                           "Find the write that made it non-finite in the steps before (a variance of a batch of one "
+                           "row, a division by a count of zero, an average with a NaN) and guard it; then reload or "
+                           "reset the buffer (e.g. module.reset_running_stats()).")
+"""``nonfinite_param`` when what was non-finite is a buffer (``explain(buffer=True)``)."""
+
 PRECISION_ROUNDING = Pattern(
     "precision_overflow", (),
     "{op} failed on a value that rounded in {dtype} (a sigmoid that rounds to exactly 1, a variance that cancels "
@@ -214,7 +222,7 @@ def short_op(op: str | None) -> str:
 
 def explain(cause: str, op: str | None = None, *, module: str | None = None,
             dtype: str | None = None, detail: str = "", max_value: str = "", diverged: bool = False,
-            where: str | None = None, rounded: bool = False) -> tuple[str, str]:
+            where: str | None = None, rounded: bool = False, buffer: bool = False) -> tuple[str, str]:
     """(summary, fix) for a diagnosis, filled in from the pattern library.
 
     ``module`` is only meaningful once the op is localised (``op`` not None); ``where`` names the
@@ -222,6 +230,8 @@ def explain(cause: str, op: str | None = None, *, module: str | None = None,
     """
     if rounded and cause == "precision_overflow":
         p = PRECISION_ROUNDING
+    elif buffer and cause == "nonfinite_param":
+        p = NONFINITE_BUFFER
     elif diverged and op is not None and cause in AT_END_OF_DIVERGENCE:
         p = AT_END_OF_DIVERGENCE[cause]
     else:

@@ -35,7 +35,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..dynamics.optimizer_state import eps_problem
 from ..incident import Incident
-from ..localisation.tracer import op_name, tensor_stats, user_source, written_tensors
+from ..localisation.tracer import dense_parts, has_inf, has_nan, op_name, tensor_stats, user_source, written_tensors
 from ..response.policies import action_for
 from ..taxonomy import Action
 from .triage import Finding
@@ -64,6 +64,19 @@ _GRAD, _PARAM, _FOUND, _SETTING = "<grad>", "<param>", "<found>", "<setting>"
 in the param group among its settings (a tensor learning rate, Schedule-Free's ``weight_sum``), and any
 other tensor the update read that it did not make (a module's weight, activations an optimizer kept)."""
 _TAGS = frozenset({_GRAD, _PARAM, _FOUND, _SETTING})
+_OWN = "<own>"
+"""Prefix of the tag a step post-hook's replay gives each stepped parameter as the hook finds it (one tag per
+parameter): a value computed from it alone is computed from that parameter's own values."""
+_SPREADS = frozenset({"norm", "linalg_vector_norm", "linalg_matrix_norm", "frobenius_norm", "std", "var", "std_mean",
+                      "var_mean"})
+"""Statistics that are 0 exactly where a slice is constant (all 0 for a norm)."""
+_MAGNITUDES = frozenset({"abs", "square"})
+"""Element-wise magnitudes: a sum, mean or maximum of them is a norm (``|w|.amax()``, ``w.pow(2).sum().sqrt()``)."""
+_SUMMARIES = frozenset({"sum", "mean", "amax", "max", "nansum", "nanmean"})
+_KEEPS = frozenset({"abs", "square", "add", "mul", "div", "sqrt", "clamp", "clamp_min", "clamp_max", "pow", "expand",
+                    "expand_as", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "detach", "clone", "alias",
+                    "_to_copy", "to", "copy", "t", "transpose", "permute", "contiguous"})
+"""Ops that keep a statistic one (scaled by a constant, an eps added, a root, a view); never a difference."""
 _LIFTS = frozenset({"lift_fresh", "lift", "lift_fresh_copy"})
 """Ops that bring a constant built from Python numbers (``torch.tensor(x)``) into the dispatch."""
 _LIFT_MATCH = 64
@@ -99,6 +112,13 @@ class UpdateReplay:
     """A root, power or logarithm of a value computed from the optimizer's state was out of its domain."""
     module: str | None = None
     """The watched module the optimizer's code was working on at the origin (read from its frames)."""
+    hook: str | None = None
+    """The user's step post-hook the origin op ran in (its qualified name), ``None`` for the update itself."""
+
+
+def _named(sources: set[str] | frozenset[str]) -> set[str]:
+    """The optimizer-state names among a value's sources (not the tags)."""
+    return {s for s in sources if s not in _TAGS and not s.startswith(_OWN)}
 
 
 def _short(op: str) -> str:
@@ -111,14 +131,18 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 
 
 def _nonfinite(t: torch.Tensor) -> tuple[bool, bool]:
+    """(holds NaN, holds ±inf): of a sparse tensor (a sparse gradient, the sparse update Adagrad, SGD and
+    SparseAdam build from it), the values it stores."""
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return False, False
-    return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+    return has_nan(t), has_inf(t)
 
 
 def _zeros(x: Any) -> int:
+    """How many zeros ``x`` holds; of a sparse tensor, its stored zeros (an entry of the sparse gradient with
+    value 0 is one the update divides; an element not stored is not read)."""
     if isinstance(x, torch.Tensor):
-        return int((x == 0).sum())
+        return sum(int((part == 0).sum()) for part in dense_parts(x))
     if isinstance(x, (int, float)):
         return int(x == 0)
     if isinstance(x, (list, tuple)):
@@ -130,7 +154,7 @@ def _below(x: Any, bound: float, strict: bool) -> int:
     """How many elements of ``x`` lie below ``bound`` (``strict``) or at or below it."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
         return 0
-    return int((x < bound).sum()) if strict else int((x <= bound).sum())
+    return sum(int((part < bound).sum()) if strict else int((part <= bound).sum()) for part in dense_parts(x))
 
 
 def _numbers(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, float]]:
@@ -175,6 +199,62 @@ class _OpWatch(TorchDispatchMode):
         self.origin: dict[str, Any] | None = None
         self.chain: list[dict[str, Any]] = []
         self.ops = 0
+        self.stat: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        """``"spread"`` for a norm or spread statistic (and a constant multiple, root or view of one), ``"magnitude"``
+        for an element-wise magnitude (``abs``, a square) whose sum or maximum is a norm."""
+        self.values: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        """Tensor -> the sources of its values through floating-point operands only (an index or a mask selects
+        values, it makes none): what :meth:`_normalises_own` reads."""
+        self.hook: str | None = None
+        """The user's step post-hook the replay is running, if any (``post_hook``)."""
+
+    def post_hook(self, hook: Any, params: Iterable[torch.Tensor]) -> None:
+        """A user's step post-hook starts: each stepped parameter, as the hook finds it, is that parameter's own
+        values (a tag of its own), so that a division of them by a norm of them alone is told from an update."""
+        self.hook = getattr(hook, "__qualname__", type(hook).__name__)
+        for i, p in enumerate(params):
+            self.sources[p] = self.values[p] = frozenset({f"{_OWN}{i}"})
+            self.stat.pop(p, None)
+
+    def _statistic(self, short: str, args: tuple[Any, ...], inputs: list[torch.Tensor]) -> str | None:
+        """What the op's output is: a spread statistic, a magnitude, or neither (:attr:`stat`)."""
+        if short in _SPREADS:
+            return "spread"
+        first = _tensors(args[0]) if args else []
+        if short in _SUMMARIES and first and all(self.stat.get(t) is not None for t in first):
+            return "spread"
+        kinds = [self.stat.get(t) for t in inputs]
+        if short in _KEEPS and any(kinds):
+            if short == "div" and len(args) > 1 and isinstance(args[1], torch.Tensor) and self.stat.get(args[1]):
+                return None  # a ratio of two statistics, or a value over one, is no statistic
+            if any(k is None and t.numel() != 1 for k, t in zip(kinds, inputs)):
+                return None  # combined with more than a constant (an eps, a scale)
+            return "spread" if "spread" in kinds else "magnitude"
+        if short in _MAGNITUDES or (short == "pow" and len(args) > 1 and isinstance(args[1], (int, float))
+                                    and not isinstance(args[1], bool) and args[1] > 0 and args[1] % 2 == 0) or (
+                short == "mul" and len(args) > 1 and isinstance(args[0], torch.Tensor) and args[0] is args[1]):
+            return "magnitude"
+        return None
+
+    def _normalises_own(self, short: str, args: tuple[Any, ...], position: int) -> bool:
+        """A division of a parameter's own values (as a step post-hook found them) by a spread statistic of those
+        values alone (a row over its norm, a standardisation, a max-abs scaling): a normalisation of them."""
+        divisor = _tensors(args[position])
+        if not divisor or any(self.stat.get(t) != "spread" for t in divisor):
+            return False
+        own = set().union(*(self._values_of(t) for t in divisor))
+        if len(own) != 1 or not next(iter(own)).startswith(_OWN):
+            return False
+        if position == 0:  # reciprocal, rsqrt: what is multiplied by it comes later
+            return True
+        if short not in ("div", "true_divide"):
+            return False
+        numerator = _tensors(args[0])
+        return all(self._values_of(t) == frozenset(own) for t in numerator)
+
+    def _values_of(self, t: torch.Tensor) -> frozenset[str]:
+        found = self.values.get(t)
+        return found if found is not None else self.sources.get(t, frozenset())
 
     def _state_pairs(self) -> list[tuple[str, torch.Tensor]]:
         return [(str(k), v) for k, v in self.state() if isinstance(v, torch.Tensor)]
@@ -190,7 +270,7 @@ class _OpWatch(TorchDispatchMode):
             sources = set().union(*(s for v, s in self.read if v == 0.0))
         if _of_settings(sources):  # plain numbers, tensors kept among the group's settings, or both
             return "settings"
-        return "state" if sources - _TAGS else "step"
+        return "state" if _named(sources) else "step"
 
     def _setting_tensors(self) -> set[int]:
         if self.groups is None:
@@ -202,7 +282,7 @@ class _OpWatch(TorchDispatchMode):
         held: set[float] = set()
         for t in inputs:
             if t.numel() <= _LIFT_MATCH and not t.is_complex():
-                held.update(float(v) for v in t.detach().reshape(-1).tolist())
+                held.update(float(v) for part in dense_parts(t.detach()) for v in part.reshape(-1).tolist())
         return frozenset().union(*(s for v, s in self.read if v in held))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
@@ -246,7 +326,8 @@ class _OpWatch(TorchDispatchMode):
                 denominator = args[position]
                 zeros = _zeros(denominator)
                 bad_sources = set().union(*(self.sources.get(t, frozenset()) for t in _tensors(denominator)))
-                kind = self._kind(denominator, zeros, bad_sources) if zeros else None
+                kind = None if not zeros else "normalised" if self._normalises_own(short, args, position) else \
+                    self._kind(denominator, zeros, bad_sources)
                 if short == "rsqrt":
                     negatives = _below(denominator, 0.0, strict=True)
             elif (short in _ROOTS or short in _LOGS) and args and isinstance(args[0], torch.Tensor):
@@ -257,8 +338,17 @@ class _OpWatch(TorchDispatchMode):
                     zeros = _zeros(args[0])  # x ** -p is a division by x ** p
                     kind = self._kind(args[0], zeros, bad_sources) if zeros else None
         written = written_tensors(func, args, kwargs)
+        statistic = self._statistic(short, args, inputs) if inputs else None
+        written_ids = {id(t) for t in written}
         out = func(*args, **kwargs)
         outputs = _tensors(out)
+        valued = frozenset().union(*(self._values_of(t) for t in inputs if t.is_floating_point() or t.is_complex()))
+        for t in [*outputs, *written]:
+            self.values[t] = valued | self._values_of(t) if id(t) in written_ids else valued
+            if statistic is None:
+                self.stat.pop(t, None)
+            else:
+                self.stat[t] = statistic
         for t in [*outputs, *written]:
             self.sources[t] = frozenset(came_from | self.sources.get(t, frozenset()))
         for t in outputs:
@@ -269,7 +359,7 @@ class _OpWatch(TorchDispatchMode):
             self.read.append((float(out), frozenset(came_from)))
         if short.endswith("_ex") and isinstance(out, tuple) and outputs and not outputs[-1].is_floating_point() \
                 and bool((outputs[-1] != 0).any()):
-            self.failed.append({"op": name, "source": user_source(1), "sources": sorted(came_from - _TAGS),
+            self.failed.append({"op": name, "source": user_source(1), "sources": sorted(_named(came_from)),
                                 "index": self.ops, "finite": not any(any(_nonfinite(t)) for t in inputs),
                                 "module": self.module_of(sys._getframe(1)) if self.module_of is not None else None})
         if len(self.chain) >= _CHAIN_LIMIT:
@@ -285,7 +375,7 @@ class _OpWatch(TorchDispatchMode):
                 "source": user_source(1), "produces": "NaN" if nan else "Inf", "origin": False}
         if self.origin is None and creates:
             item["origin"] = True
-            self.origin = {"op": name, "source": item["source"], "short": short, "stats": stats,
+            self.origin = {"hook": self.hook, "op": name, "source": item["source"], "short": short, "stats": stats,
                            "zeros": zeros, "kind": kind, "bad_sources": bad_sources, "negatives": negatives,
                            "bad_numbers": bad_numbers, "dtype": next((t.dtype for t in outputs), None),
                            "nan": nan, "inf": inf, "index": self.ops,
@@ -376,11 +466,15 @@ def _raw_step(optimizer: torch.optim.Optimizer) -> Any:
     return step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
 
 
-def _step_replica(optimizer: torch.optim.Optimizer, replica: torch.optim.Optimizer) -> Any:
+def _step_replica(optimizer: torch.optim.Optimizer, replica: torch.optim.Optimizer,
+                  watch: "_OpWatch | None" = None) -> Any:
     """Step ``replica`` as ``optimizer.step()`` ran: first the user's step pre-hooks that run after nantrace's
     check (``optimizer_step.pre_hooks_after_own``: code of the step that may rewrite a gradient or a parameter in
-    place, a row normalisation, a weight standardisation), given the replica, then the class's ``step``."""
-    from ..optimizer_step import pre_hooks_after_own
+    place, a row normalisation, a weight standardisation), given the replica, then the class's ``step``, then the
+    user's step post-hooks (``optimizer_step.post_hooks_of_user``: they run before nantrace's check of the update
+    and may write the parameters, a unit-norm projection, a weight clip), given the replica; ``watch`` is told
+    where each post-hook starts (:meth:`_OpWatch.post_hook`)."""
+    from ..optimizer_step import post_hooks_of_user, pre_hooks_after_own
 
     args: tuple[Any, ...] = (replica,)
     kwargs: dict[str, Any] = {}
@@ -388,7 +482,17 @@ def _step_replica(optimizer: torch.optim.Optimizer, replica: torch.optim.Optimiz
         result = hook(replica, args, kwargs)
         if isinstance(result, tuple) and len(result) == 2:
             args, kwargs = result
-    return _raw_step(optimizer)(replica, *args[1:], **kwargs)
+    out = _raw_step(optimizer)(replica, *args[1:], **kwargs)
+    post = post_hooks_of_user(optimizer)
+    if post:
+        stepped = list(dict.fromkeys(p for g in replica.param_groups for p in g["params"]))
+        for hook in post:
+            if watch is not None:
+                watch.post_hook(hook, stepped)
+            hook(replica, args, kwargs)
+        if watch is not None:
+            watch.hook = None
+    return out
 
 
 @contextlib.contextmanager
@@ -500,7 +604,7 @@ def replay_update(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Upda
                      grads=[param.grad] if param.grad is not None else [], groups=lambda: replica.param_groups)
     with _isolated(replica, stepped):
         with watch:
-            _step_replica(optimizer, replica)
+            _step_replica(optimizer, replica, watch)
         made_nonfinite = _made_nonfinite(replica, param)  # read before the parameter is put back
     origin = watch.origin
     reproduced = origin is not None or made_nonfinite
@@ -534,7 +638,7 @@ def step_exception_incident(watched: "Watched", exc: BaseException, history: Seq
     raised: BaseException | None = None
     try:
         with _isolated(replica, stepped), watch:
-            _step_replica(optimizer, replica)
+            _step_replica(optimizer, replica, watch)
     except Exception as err:  # the step raising again is what the replay is for
         raised = err
     origin = watch.origin
@@ -600,7 +704,7 @@ def step_exception_incident(watched: "Watched", exc: BaseException, history: Seq
 
 def _conclude(result: UpdateReplay, origin: dict[str, Any], chain: list[dict[str, Any]]) -> None:
     result.op, result.source, result.input_stats, result.chain = origin["op"], origin["source"], origin["stats"], chain
-    states = sorted(origin["bad_sources"] - _TAGS)
+    states = sorted(_named(origin["bad_sources"]))
     result.denominator_state = states[0] if states else None
     result.cause, result.detail = _cause(origin, result.float32_finite)
     result.from_settings = bool(origin["bad_numbers"]) or origin["kind"] == "settings" or (
@@ -608,6 +712,7 @@ def _conclude(result: UpdateReplay, origin: dict[str, Any], chain: list[dict[str
     result.domain_of_state = result.cause == "optimizer_state" and origin["kind"] is None and bool(origin["negatives"]) \
         and not result.from_settings
     result.module = origin.get("module")
+    result.hook = origin.get("hook")
 
 
 def _finite_in_float32(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool | None:
@@ -680,6 +785,9 @@ def _cause(origin: dict[str, Any], float32_finite: bool | None) -> tuple[str, st
         n = origin["zeros"]
         zeros = f"{n} zero{'s' if n != 1 else ''} in the denominator"
         kind = origin["kind"]
+        if kind == "normalised":
+            return "zero_variance_norm", (f"{zeros}, a norm or spread of the parameter's own values over a slice where "
+                                          "they are constant (all 0 for a norm)")
         if kind == "settings":
             return "optimizer_state", f"{zeros}, computed from the optimizer's settings alone (no gradient, parameter or state)"
         if kind == "state":
@@ -689,7 +797,7 @@ def _cause(origin: dict[str, Any], float32_finite: bool | None) -> tuple[str, st
         return "div_by_zero", zeros
     if origin["negatives"]:
         text = f"{origin['negatives']} {'non-positive' if short in _LOGS else 'negative'} inputs"
-        if origin["bad_sources"] - _TAGS:  # a root of a statistic the optimizer keeps, left negative by rounding
+        if _named(origin["bad_sources"]):  # a root of a statistic the optimizer keeps, left negative by rounding
             return "optimizer_state", f"{text} in a value of the optimizer's state"
         if _of_settings(origin["bad_sources"]):  # a root of a value made from the settings alone
             return "optimizer_state", f"{text}, computed from the optimizer's settings alone (no gradient, parameter or state)"
@@ -727,7 +835,8 @@ def _texts(watched: "Watched", failure: "UpdateFailure", replay: UpdateReplay, s
                else "; no single op of the replayed update could be named")
     else:
         via = f", computed from {replay.denominator_state}" if replay.denominator_state else ""
-        how = f": {replay.op} made the first non-finite value ({replay.detail or 'from finite inputs'}{via})"
+        where = f" in the step post-hook {replay.hook} (after the update)" if replay.hook else ""
+        how = f":{where} {replay.op} made the first non-finite value ({replay.detail or 'from finite inputs'}{via})"
     bad_hyper = {k: v for k, v in _hyper(group).items() if isinstance(v, float) and not math.isfinite(v)}
     if bad_hyper:  # a scalar of the update, not a tensor: the replay's op saw only finite tensors
         named = ", ".join(f"{k} = {v}" for k, v in bad_hyper.items())
@@ -745,6 +854,17 @@ def _texts(watched: "Watched", failure: "UpdateFailure", replay: UpdateReplay, s
         fix = (f"The optimizer's {names} is not finite: check what sets it (a learning-rate scheduler's formula "
                "dividing by zero, e.g. total_steps == warmup_steps in a cosine schedule, or a value read from a "
                "config or a diverged schedule) and keep it finite.")
+        return summary, fix
+    if replay.hook and replay.op is not None:
+        if cause == "zero_variance_norm":
+            fix = (f"The step post-hook {replay.hook} divides the parameter by a norm or spread of its own values, "
+                   "which is 0 on a slice whose values are all 0 or constant (a padding row kept at 0, a unit whose "
+                   "weights are all 0): divide by the statistic clamped to a small positive floor (F.normalize's eps, "
+                   "norm.clamp_min(1e-12)) or leave such slices out (the padding index).")
+        else:
+            fix = (f"Guard {replay.op} in the step post-hook {replay.hook} (an eps on its divisor, a clamp of its "
+                   "argument): it writes the parameters after every update, so a bad value it makes lands in the "
+                   "weights.")
         return summary, fix
     if replay.from_settings:
         return summary, _settings_fix(replay.settings)

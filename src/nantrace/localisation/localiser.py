@@ -88,6 +88,19 @@ def localise_incident(watched: "Watched", incident: "Incident", capture: StepCap
     finally:
         incident.details["localisation_seconds"] = round(time.perf_counter() - start, 4)
     settle_parameter_writes(watched, incident)
+    _settle_state_read(watched, incident)
+
+
+def _settle_state_read(watched: "Watched", incident: "Incident") -> None:
+    """The replay found the step reading a parameter or buffer that was already non-finite (a buffer the
+    triage does not read: a normaliser's running variance an earlier step's code wrote NaN): skipping the update
+    cannot repair it, so the incident gets the policy's action for that state, as the check's own finding would."""
+    if incident.kind != "nonfinite_param" or incident.cause != "nonfinite_param" or incident.phase is not None \
+            or incident.action != Action.SKIPPED or incident.details.get(PARAMS_WITHOUT_UPDATE):
+        return
+    finding = Finding(incident.step, "nonfinite_param", None, "nonfinite_param", incident.module, incident.summary,
+                      incident.fix)
+    incident.action = action_for(watched.policy, finding, finite_trouble=False, config=watched.config)
 
 
 def settle_parameter_writes(watched: "Watched", incident: "Incident") -> None:
@@ -660,8 +673,10 @@ def _made_in_step(watched: "Watched", capture: StepCapture, units: list[Any], un
 
 
 def _apply(incident: "Incident", cls: Classification, origin: Origin, *, replayable: bool) -> None:
-    if cls.cause == "nonfinite_input" and incident.kind in ("nonfinite_loss", "nonfinite_grad", "nonfinite_activation"):
-        incident.kind = "nonfinite_input"  # what was observed first is the batch itself (a target, a mask), not the loss
+    if cls.cause in ("nonfinite_input", "nonfinite_param") and incident.kind in ("nonfinite_loss", "nonfinite_grad",
+                                                                                  "nonfinite_activation"):
+        # what was non-finite first is the batch itself (a target, a mask) or the model's state, not the loss
+        incident.kind = cls.cause
     incident.op = cls.op
     incident.module = cls.module
     incident.source = cls.source
@@ -676,9 +691,10 @@ def _apply(incident: "Incident", cls: Classification, origin: Origin, *, replaya
     summary, fix = explain(cls.cause, cls.op, module=cls.module, dtype=cls.dtype if low or not rounded else "float16/bfloat16",
                            detail=cls.detail,
                            max_value=f"{torch.finfo(getattr(torch, cls.dtype)).max:g}" if cls.dtype in ("float16", "bfloat16") else "",
-                           diverged="divergence" in cls.evidence, rounded=rounded)
+                           diverged="divergence" in cls.evidence, rounded=rounded, buffer="buffer" in cls.evidence)
     if cls.cause == "nonfinite_param" and cls.detail:
-        summary = f"A parameter was already non-finite before step {incident.step}: {cls.detail}."
+        what = "buffer" if "buffer" in cls.evidence else "parameter"
+        summary = f"A {what} was already non-finite before step {incident.step}: {cls.detail}."
     incident.summary = summary
     incident.fix = fix
     if origin.intentional_inf:

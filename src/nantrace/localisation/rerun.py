@@ -29,7 +29,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ..capture import CallRecord, ForwardRecord, RngState, extremes_ok_on_host, floating_tensors
 from ..loss_tape import untaped
 from .python_state import Snapshot, snapshot_of
-from .tracer import replay_site, written_tensors
+from .tracer import dense_parts, replay_site, written_tensors
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -291,10 +291,16 @@ def output_ok(t: torch.Tensor) -> bool:
     """A replayed output judged by the capture's own rule (``capture.extremes_ok``): its maximum is
     finite (no NaN, no +inf); ``-inf`` entries (a log-softmax of masked logits, ``-inf`` logits on
     invalid actions) are valid. An output the real step accepted is never the failing one."""
-    if not t.numel():
+    parts = [part for part in dense_parts(t.detach()) if part.numel()]  # a sparse output: the values it stores
+    if not parts:
         return True
-    lo, hi = torch.aminmax(t.detach())
-    return extremes_ok_on_host([float(lo), float(hi)])
+    return extremes_ok_on_host([float(v) for part in parts for v in torch.aminmax(part)])  # (min, max) pairs
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value ``t`` holds is finite: a sparse gradient (``nn.Embedding(sparse=True)``) is read
+    through the values it stores (:func:`~.tracer.dense_parts`)."""
+    return all(bool(torch.isfinite(part).all()) for part in dense_parts(t))
 
 
 def run_unit(watched: "Watched", unit: Unit, *, full_precision: bool = False, backward: bool = True,
@@ -394,13 +400,13 @@ def _run_unit(watched: "Watched", unit: Unit, *, full_precision: bool, backward:
         return UnitResult(observed, forward_finite, None, None)
     params = grad_targets(watched, observed)
     roots, grad_outputs = _roots(unit, observed, full_precision)
-    output_grads_finite = all(bool(torch.isfinite(g).all()) for g in grad_outputs) if grad_outputs else None
+    output_grads_finite = all(_finite(g) for g in grad_outputs) if grad_outputs else None
     if output_grads_finite is False:
         return UnitResult(observed, True, None, False)
     if not roots:
         return UnitResult(observed, True, None, output_grads_finite, error="no gradient to replay")
     grads = torch.autograd.grad(roots, params, grad_outputs=grad_outputs, allow_unused=True)
-    grads_finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+    grads_finite = all(_finite(g) for g in grads if g is not None)
     return UnitResult(observed, True, grads_finite, output_grads_finite,
                       grads={id(p): g for p, g in zip(params, grads) if g is not None})
 
@@ -436,12 +442,12 @@ def _backward_together(watched: "Watched", unit: Unit, observed: list[torch.Tens
     exactly as :func:`run_unit` judges a replay on its own."""
     roots, grad_outputs = _roots(unit, observed, full_precision)
     output_grads_finite = None if grad_outputs is None or not grad_outputs else all(
-        bool(torch.isfinite(g).all()) for g in grad_outputs)
+        _finite(g) for g in grad_outputs)
     grads_finite = None
     targets = grad_targets(watched, roots) if roots else []
     if targets:
         grads = torch.autograd.grad(roots, targets, grad_outputs=grad_outputs, allow_unused=True)
-        grads_finite = all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+        grads_finite = all(_finite(g) for g in grads if g is not None)
     if not forward_finite:
         return UnitResult(observed, False, None, None)
     if output_grads_finite is False:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
@@ -40,10 +40,41 @@ def nested_parts(t: torch.Tensor) -> list[torch.Tensor]:
     return [t.values()] if t.layout == torch.jagged else list(t.unbind())
 
 
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def dense_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The dense (strided) tensors that hold ``t``'s stored values: ``t`` itself when it is dense, the parts of
+    a nested tensor (:func:`nested_parts`), the values of a sparse one (a COO tensor coalesced first, so that
+    duplicate entries are read as the one value they add up to; CSR/CSC/BSR/BSC: ``values()``). Sparse
+    gradients (``nn.Embedding(sparse=True)``, ``EmbeddingBag``) and the optimizers' sparse paths have no
+    kernel for ``aminmax``, comparisons or storage access, so every finiteness check and statistic reads a
+    tensor through these: the evidence of an op on a sparse tensor is about the values it stores (a stored
+    zero is a zero; an element not stored is no value of the op's)."""
+    if t.is_nested:
+        return nested_parts(t)
+    layout = t.layout
+    if layout not in _COMPRESSED and layout != torch.sparse_coo:  # strided (or a layout without stored values)
+        return [t]
+    with _disable_current_modes():  # nantrace's own reading, never an op of the program's (a traced replay)
+        x = t.detach()
+        if layout in _COMPRESSED:
+            return [x.values()]
+        return [(x if x.is_coalesced() else x.coalesce())._values()]
+
+
+def _parted(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """``t``'s dense parts when it is not a plain dense tensor itself, else ``None``."""
+    if t.layout == torch.strided and not t.is_nested:
+        return None
+    return dense_parts(t)
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     """One min/max pass instead of a mask: a NaN reaches both, an infinity one of them."""
-    if t.is_nested:
-        return all(_all_finite(part) for part in nested_parts(t) if part.numel())
+    parts = _parted(t)
+    if parts is not None:
+        return all(_all_finite(part) for part in parts if part.numel())
     if t.is_complex():
         return bool(torch.isfinite(t).all())
     lo, hi = torch.aminmax(t.detach())
@@ -51,16 +82,18 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def has_nan(t: torch.Tensor) -> bool:
-    """Whether ``t`` (nested or not) holds a NaN."""
-    if t.is_nested:
-        return any(has_nan(part) for part in nested_parts(t))
+    """Whether ``t`` (of any layout: :func:`dense_parts`) holds a NaN."""
+    parts = _parted(t)
+    if parts is not None:
+        return any(has_nan(part) for part in parts)
     return bool(torch.isnan(t).any())
 
 
 def has_inf(t: torch.Tensor) -> bool:
-    """Whether ``t`` (nested or not) holds an infinity."""
-    if t.is_nested:
-        return any(has_inf(part) for part in nested_parts(t))
+    """Whether ``t`` (of any layout: :func:`dense_parts`) holds an infinity."""
+    parts = _parted(t)
+    if parts is not None:
+        return any(has_inf(part) for part in parts)
     return bool(torch.isinf(t).any())
 
 
@@ -74,17 +107,22 @@ def _nan_inf(t: torch.Tensor) -> tuple[bool, bool]:
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or a nested tensor padded with zeros into one dense tensor (the evidence reads its
-    elements by position)."""
-    return torch.nested.to_padded_tensor(t, 0.0) if t.is_nested else t
+    """``t`` itself, a nested tensor padded with zeros into one dense tensor, or a sparse one as the dense
+    tensor it stands for (the evidence reads its elements by position)."""
+    if t.is_nested:
+        return torch.nested.to_padded_tensor(t, 0.0)
+    return t if t.layout == torch.strided else t.to_dense()
 
 
 def readable(t: torch.Tensor) -> bool:
     """Whether the tensor's storage still holds its elements: FSDP2 frees the storage of an
     unsharded parameter (resizes it to 0 bytes) when it reshards, and a replay may still hold it.
-    A nested tensor is readable: its elements are read through its parts (:func:`nested_parts`)."""
+    A nested tensor is readable (its elements are read through its parts, :func:`nested_parts`), a sparse one
+    when the values it stores are (:func:`dense_parts`)."""
     if t.is_nested or t.numel() == 0:
         return True
+    if t.layout != torch.strided:
+        return all(readable(part) for part in dense_parts(t))
     extent = t.storage_offset() + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
     return t.untyped_storage().nbytes() >= extent * t.element_size()
 
@@ -219,9 +257,14 @@ def op_name(func: Any) -> str:
 
 def tensor_stats(t: torch.Tensor, arg: str) -> dict[str, Any]:
     """dtype, shape, min, max, smallest |x|, counts of zeros, negatives, NaN and Inf (of a nested tensor: its
-    padded shape, and the counts over its elements)."""
-    out: dict[str, Any] = {"arg": arg, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(dense(t).shape)}
-    x = torch.cat([part.detach().reshape(-1) for part in nested_parts(t)]) if t.is_nested else t.detach()
+    padded shape, and the counts over its elements; of a sparse one: its shape, and the counts over the values
+    it stores, ``numel`` their number)."""
+    shape = list(torch.nested.to_padded_tensor(t, 0.0).shape) if t.is_nested else list(t.shape)
+    out: dict[str, Any] = {"arg": arg, "dtype": str(t.dtype).removeprefix("torch."), "shape": shape}
+    if t.layout == torch.strided and not t.is_nested:
+        x = t.detach()
+    else:
+        x = torch.cat([part.detach().reshape(-1) for part in dense_parts(t)])
     if x.numel() == 0 or not readable(x):
         return out
     if x.is_floating_point():
@@ -741,7 +784,8 @@ class OpTracer(TorchDispatchMode):
                 mask = False
                 if (nan or inf) and producer is None:
                     external = self.externals.get(id(t), "constant" if not nan else "unknown")
-                    mask = (masking or position == mask_operand) and inf and not nan and not t.is_complex() and not bool((t.detach() == float("inf")).any())
+                    mask = (masking or position == mask_operand) and inf and not nan and not t.is_complex() and \
+                        not any(bool((part == float("inf")).any()) for part in dense_parts(t.detach()))
                 refs.append(InputRef(position if len(tensors) == 1 else f"{position}[{j}]", nan, inf, producer, external,
                                      mask))
         return refs
