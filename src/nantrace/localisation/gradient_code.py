@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..loss_tape import GradRef, LossTape
 from .loss_replay import _Decoder, _reissue, _replay_prelude
-from .tracer import _OVERWRITES, OpRecord, OpTracer, written_tensors
+from .tracer import _OVERWRITES, OpRecord, OpTracer, all_finite, written_tensors
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -94,7 +94,7 @@ def replay_gradient_code(watched: "Watched", tape: LossTape, grads: dict[int, to
     finally:
         for p, g in real:
             p.grad = g
-    bad = [(name, g) for name, g in final if g is not None and not bool(torch.isfinite(g).all())]
+    bad = [(name, g) for name, g in final if g is not None and not all_finite(g)]
     start = next((tracer.producer.get(g) for _, g in bad if tracer.producer.get(g) is not None), None)
     if start is None and bad:
         start = next((r for r in tracer.records if r.creates_nonfinite), tracer.records[0] if tracer.records else None)
@@ -102,8 +102,8 @@ def replay_gradient_code(watched: "Watched", tape: LossTape, grads: dict[int, to
 
 
 def _finite(t: torch.Tensor) -> bool:
-    """Every value of ``t`` finite (one host read)."""
-    return bool(torch.isfinite(t).all())
+    """Every value of ``t`` finite (one host read per stored part)."""
+    return all_finite(t)
 
 
 def replay_written_gradients(watched: "Watched", prelude: LossTape, tracer: OpTracer) -> GradientCodeResult:

@@ -28,7 +28,7 @@ from ..loss_tape import unread_nograd_forwards
 from .gradient_code import localise_parameter_writes, replay_gradient_code, replay_written_gradients, replayed_gradients
 from .loss_replay import replay_step, trace_prelude_inputs
 from .rerun import RerunSkipped, float32_model, output_ok, rerun_scope, run_unit
-from .tracer import OpRecord, OpTracer, _storage_key
+from .tracer import OpRecord, OpTracer, _storage_key, all_finite
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -577,7 +577,7 @@ def _made_before_forward(watched: "Watched", capture: StepCapture, units: list[A
     order up to it: the batch itself is blamed only when no taped call made that input."""
     if unit is None:
         return None
-    bad = [t for t in floating_tensors((unit.args, unit.kwargs)) if not bool(torch.isfinite(t).all())]
+    bad = [t for t in floating_tensors((unit.args, unit.kwargs)) if not all_finite(t)]
     made = None
     if _after_step_code(capture.tape, units, unit):
         with rerun_scope(watched):
@@ -599,7 +599,7 @@ def _feeds_model(capture: StepCapture, unit: Any) -> bool:
     loss non-finite, not the model's input."""
     if not isinstance(unit, CallRecord):
         return True
-    bad = {_storage_key(t) for t in floating_tensors((unit.args, unit.kwargs)) if not bool(torch.isfinite(t).all())}
+    bad = {_storage_key(t) for t in floating_tensors((unit.args, unit.kwargs)) if not all_finite(t)}
     bad.discard(None)
     return any(_storage_key(t) in bad for f in capture.forwards for t in floating_tensors((f.args, f.kwargs)))
 
@@ -666,7 +666,7 @@ def _made_in_step(watched: "Watched", capture: StepCapture, units: list[Any], un
     wanted = {id(t) for t in bad}
     real = floating_tensors((unit.args, unit.kwargs))
     for t, value in zip(real, step.unit_inputs):
-        made = tracer.producer.get(value) if id(t) in wanted and not bool(torch.isfinite(value).all()) else None
+        made = tracer.producer.get(value) if id(t) in wanted and not all_finite(value) else None
         if made is not None:
             return tracer, made
     return None

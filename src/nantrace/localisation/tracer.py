@@ -81,6 +81,12 @@ def _all_finite(t: torch.Tensor) -> bool:
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value ``t`` holds is finite, whatever its layout (a sparse gradient or graph adjacency is read
+    through its stored values, :func:`dense_parts`); an empty or integer tensor is."""
+    return all(bool(torch.isfinite(part).all()) for part in dense_parts(t))
+
+
 def has_nan(t: torch.Tensor) -> bool:
     """Whether ``t`` (of any layout: :func:`dense_parts`) holds a NaN."""
     parts = _parted(t)
