@@ -81,40 +81,13 @@ CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
 QUIET: dict[str, Callable[[], Program]] = {}
 XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
-_IN_PLACE_OUTPUT = (
-    "says cause=overflow ('finite in float64 (up to 0)'); right: zero_variance_norm (div_ by the std of a constant "
-    "slice). localisation/tracer.py OpTracer.__torch_dispatch__ keeps record.output = dense(bad[0]), which for an "
-    "in-place op (div_) IS the written argument, a tensor that existed before the replay (the batch's, or the loss "
-    "replay's copy of it); rerun.WriteGuard puts it back after the replay, so when diagnosis/classify._forward_cause "
-    "reads rec.output its bad mask is empty (evidence bad=0 of N, divisor_zeros=0) and every family rule's claim "
-    "fails on no element: the generic rule calls it an overflow. Keeping a copy of the output of a mutable op "
-    "(as its written arguments are already cloned into record.args) makes it zero_variance_norm.")
-_WHY = {
-    "simclr_cosine_matrix_by_norm_outer_product_black_letterbox_frame": (
-        "says div_by_zero ('60 zeros in the denominator (0/0), made by mul'); right: zero_variance_norm, as for the "
-        "same similarity written (z/|z|) @ (z/|z|).T or z @ z.T / |z| (both zero_variance_norm). "
-        "diagnosis/family_rules._StatWalk._scaled, mul branch, keeps a statistic through a product only when it is a "
-        "variance (or a count): a norm factor that is 0 somewhere makes it return None, so |z_i| * |z_j| (and even "
-        "2.0 * |z|) loses its provenance and _div_rule falls to div_by_zero."),
-    "reinforce_advantage_std_read_with_item_for_logging_episode_without_reward": (
-        "says div_by_zero ('divided by the scalar 0'); right: zero_variance_norm (the divisor is adv.std() of a "
-        "constant batch, read to the host with .item() for the logger). diagnosis/family_rules._div_rule returns "
-        "div_by_zero for any Python-number divisor without provenance; loss_tape._READS passes .item() through "
-        "untaped, so the tape cannot say the number was a std (the optimizer replay keeps provenance through .item(), "
-        "the loss tape does not)."),
-    "regression_standardises_batch_in_place_stuck_sensor_constant_column": _IN_PLACE_OUTPUT,
-}
-XFAIL.update({f"{name}[{mode}]": why for name, why in _WHY.items() for mode in MODES})
-_GRPO_IN_PLACE = "grpo_in_place_group_normalisation_of_batch_rewards_all_completions_same_reward"
-XFAIL[f"{_GRPO_IN_PLACE}[zero_intrusive]"] = _IN_PLACE_OUTPUT
-XFAIL[f"{_GRPO_IN_PLACE}[replayable]"] = (
-    "says kind=nonfinite_input, cause=overflow; right: nonfinite_loss, zero_variance_norm (the loss went non-finite: "
-    "no model input did, and the batch was finite when the step received it). Cause: as in zero_intrusive "
-    "(tracer's record.output aliases the in-place op's written tensor, put back by WriteGuard). Kind: the re-run of "
-    "the replayable call reads its argument `rewards` as the real call left it (already NaN: the call wrote it in "
-    "place), the trace ends at that argument (external 'input'), localiser._localise finds the prelude's div_ with "
-    "_made_before_forward and, failing unit being a CallRecord, rewrites the kind to nonfinite_input (localiser.py "
-    "'incident.kind = \"nonfinite_input\"', a rule meant for a model input made before the forward).")
+XFAIL["reinforce_advantage_std_read_with_item_for_logging_episode_without_reward[replayable]"] = (
+    "says div_by_zero ('divided by the scalar 0'); right: zero_variance_norm (the divisor is adv.std() of a "
+    "constant batch, read to the host with .item() for the logger). Zero-intrusive follows the number through the "
+    "loss tape (LossTape._note_read, Entry.host, loss_replay._host_numbers, family_rules._read_off); the re-run of a "
+    "replayable call has no tape: its .item() is aten._local_scalar_dense under localisation/tracer.OpTracer, and "
+    "no torch-function observer runs during rerun._run_unit of a CallRecord, so nothing links the number to the "
+    "replayed std (needs such an observer there, calling loss_tape.note_replayed_numbers).")
 
 
 def case(name: str, want: Want) -> Callable:

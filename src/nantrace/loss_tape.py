@@ -82,6 +82,12 @@ _READS = frozenset({
     "stride", "storage_offset", "is_contiguous", "__hash__", "__eq__", "__ne__", "backward", "register_hook",
     "retain_grad", "__reduce_ex__", "__deepcopy__", "untyped_storage", "_version", "__array__",
 })
+_NUMBER_READS = frozenset({"item", "tolist", "__float__", "__int__", "__index__"})
+"""Host reads that hand the step's code a Python number (or a list of them): the tape notes which tensor each
+number came from (:meth:`LossTape._note_read`), so that a kept call taking the number as an argument can be traced
+back to the op that made it (``advantages / adv.std().item()``: the divisor 0.0 is a standard deviation)."""
+NUMBER_READ_MAX = 64
+"""A ``tolist()`` of more elements than this is not noted (a histogram dumped to a log, not a number used again)."""
 _WRITES = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__ipow__",
                      "__imod__", "__iand__", "__ior__", "__ixor__"})
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_grad", "register_hook"})
@@ -134,6 +140,30 @@ class OutputRef:
     index: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class EarlierRef:
+    """A tensor the loss tape's calls did not make but the step's prelude did: output ``slot`` of the prelude's call
+    ``entry`` (a number read off it before the model's forward and used by the loss code after it)."""
+
+    entry: int
+    slot: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostNumber:
+    """A plain-number argument of a kept call that the step's code read off a tensor (``.item()``, ``float(t)``,
+    ``int(t)``, ``tolist()``): argument ``key`` (a position, or a keyword; a number inside a list argument keeps the
+    list's position) holds ``value``, element ``index`` (flattened) of ``source``: a :class:`Ref` to the kept call
+    that made the tensor, an :class:`EarlierRef` to the prelude's, or the tensor itself when no kept call made it.
+    The call's arguments keep the number as it was (a replay re-issues exactly what the step ran); this is
+    provenance only (``loss_replay._reissue`` resolves it to the replayed tensor, see :func:`note_replayed_numbers`)."""
+
+    key: int | str
+    source: Any
+    index: int
+    value: float | int
+
+
 @dataclasses.dataclass(slots=True)
 class Entry:
     func: Callable[..., Any]
@@ -146,6 +176,9 @@ class Entry:
     refs: "tuple[Ref, ...] | None" = None
     """The kept calls whose outputs this call read (the :class:`Ref` in its arguments), noted as they were
     encoded; None when not noted (a tape decoded from a bundle): :func:`_refs_in` finds them."""
+    host: "tuple[HostNumber, ...] | None" = None
+    """The plain numbers among its arguments that the step's code read off a tensor (:class:`HostNumber`); None when
+    there are none (or the tape was decoded from a bundle, which does not carry them)."""
 
 
 def _name(func: Any) -> str:
@@ -313,6 +346,9 @@ class LossTape(TorchFunctionMode):
         """(index of the call that raised, the exception), when the taped code raised (the loss code; the
         prelude: code before the model's forward)."""
         self._made = _MadeTable()
+        self._numbers: dict[int, tuple[Any, torch.Tensor, int]] = {}
+        """``id`` of each Python number a host read handed the step's code -> (the number and the tensor it was read
+        off, both kept until the step ends, so that the ``id`` stays the number's; its flat index in the tensor)."""
         self.before_write: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """``id`` of each tensor the loss code received, read and then wrote in place -> (the tensor, a copy
         of it before the first write)."""
@@ -445,6 +481,8 @@ class LossTape(TorchFunctionMode):
         self._received_bytes = 0
         if self._grad_of:
             self._grad_of = {}
+        if self._numbers:
+            self._numbers = {}
         if self._made:  # a fresh table only when the step taped something (most steps of a model-only loss: none)
             self._made = _MadeTable()
 
@@ -514,6 +552,8 @@ class LossTape(TorchFunctionMode):
                                       self._running_module()))
             return out
         if name in _READS or name in _SIDE_EFFECTS or not (out is None or isinstance(out, (torch.Tensor, tuple, list))):
+            if name in _NUMBER_READS and args:
+                self._note_read(args[0], out)
             return out
         outs = tensors_of(out)
         if out is not None and not outs:
@@ -526,6 +566,67 @@ class LossTape(TorchFunctionMode):
                                   self._running_module()))
         self._note_outputs(index, outs)
         return out
+
+    def _note_read(self, t: Any, out: Any) -> None:
+        """A host read of ``t`` handed the step's code the number(s) ``out``: note ``t`` under each number's identity
+        (:attr:`_numbers`), one dictionary entry a number; which kept call made ``t`` is looked up only when a kept
+        call takes the number as an argument (:meth:`_host_number`)."""
+        kind = type(out)
+        if kind is float or kind is int:
+            if isinstance(t, torch.Tensor):
+                self._numbers[id(out)] = (out, t, 0)
+        elif kind is list and isinstance(t, torch.Tensor) and t.numel() <= NUMBER_READ_MAX:
+            table = self._numbers
+            for i, value in enumerate(_flat_numbers(out)):
+                table[id(value)] = (value, t, i)
+
+    def _host_numbers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "tuple[HostNumber, ...] | None":
+        """The arguments of a call being kept (top level, or inside a list or tuple there) that are numbers a host
+        read handed the step's code: noted by this tape, or by the prelude before the model's forward (the loss
+        tape's :attr:`earlier`). Paid by each call kept after a host read of the step: a type test an argument."""
+        found: list[HostNumber] | None = None
+        for key, value in enumerate(args):
+            kind = type(value)
+            if kind is float or kind is int:
+                found = self._host_number(key, value, found)
+            elif kind is tuple or kind is list:
+                for v in value:
+                    if type(v) is float or type(v) is int:
+                        found = self._host_number(key, v, found)
+        if kwargs:
+            for key, value in kwargs.items():
+                if type(value) is float or type(value) is int:
+                    found = self._host_number(key, value, found)
+        return tuple(found) if found else None
+
+    def _host_number(self, key: int | str, value: Any, found: "list[HostNumber] | None") -> "list[HostNumber] | None":
+        hit = self._numbers.get(id(value))
+        if hit is not None and hit[0] is value:
+            source = self._source_of(hit[1])
+        else:
+            earlier = self.earlier
+            hit = earlier._numbers.get(id(value)) if earlier is not None and earlier._numbers else None
+            if hit is None or hit[0] is not value:
+                return found
+            source = earlier._source_of(hit[1])
+            if isinstance(source, Ref):  # the prelude's numbering: the loss tape's calls do not hold it
+                source = EarlierRef(source.entry, source.slot)
+        if source is None:
+            return found
+        found = found if found is not None else []
+        found.append(HostNumber(key, source, hit[2], value))
+        return found
+
+    def _source_of(self, t: torch.Tensor) -> Any:
+        """What a replay resolves the tensor a number was read off to: the kept call that made it, the gradient it
+        is, or (a small tensor the code received) the tensor itself."""
+        made = self._made.get(t)
+        if made is not None:
+            return made
+        read = self._grad_of.get(id(t)) if self._grad_of else None
+        if read is not None and read[0] is t:
+            return read[1]
+        return t if t.numel() <= NUMBER_READ_MAX else None
 
     def _before_write_of(self, t: torch.Tensor) -> None:
         """Keep ``t`` as it is before the loss code first writes into it, when the loss code received it
@@ -677,6 +778,7 @@ class LossTape(TorchFunctionMode):
         still alive (:meth:`_survivors`), which start the new window, renumbered, so that a value made early
         and read by the loss code after a long loop is still replayed."""
         self._restarts += 1
+        self._numbers = {}  # numbers read in the window forgotten (and the tensors they were read off, let go)
         try:
             kept = self._survivors()
         except Exception:  # noqa: BLE001  the survivors are a help to a later diagnosis, never the program's failure
@@ -685,8 +787,10 @@ class LossTape(TorchFunctionMode):
         entries, outputs = self.entries, self.outputs
         self.entries = [Entry(entries[i].func, _renumber(entries[i].args, at), _renumber(entries[i].kwargs, at),
                               entries[i].source, entries[i].module,
-                              None if entries[i].refs is None else tuple(_renumber(r, at) for r in entries[i].refs))
+                              None if entries[i].refs is None else tuple(_renumber(r, at) for r in entries[i].refs),
+                              _renumber_numbers(entries[i].host, at))
                         for i in kept]
+
         self.outputs = [outputs[i] for i in kept]
         if self.last_scalar is not None:
             self.last_scalar = (at[self.last_scalar[0]], self.last_scalar[1]) if self.last_scalar[0] in at else None
@@ -771,7 +875,9 @@ class LossTape(TorchFunctionMode):
                module: str | None = None) -> Entry:
         """A kept call: its arguments encoded, with the kept calls it read noted on the way."""
         refs = self._refs = []
-        entry = Entry(func, self._encode(args), self._encode(kwargs), source, module, tuple(refs))
+        entry = Entry(func, self._encode(args), self._encode(kwargs), source, module, tuple(refs),
+                      self._host_numbers(args, kwargs) if self._numbers or (
+                          self.earlier is not None and self.earlier._numbers) else None)
         self._refs = None
         return entry
 
@@ -865,7 +971,9 @@ class LossTape(TorchFunctionMode):
         light = copy.copy(self)
         if positions:
             light.entries = [Entry(e.func, _name_outputs(e.args, positions), _name_outputs(e.kwargs, positions), e.source,
-                                   e.module)
+                                   e.module, e.refs,
+                                   None if e.host is None else tuple(
+                                       dataclasses.replace(h, source=_name_outputs(h.source, positions)) for h in e.host))
                              for e in self.entries]
         return light
 
@@ -928,6 +1036,62 @@ def _map_nested(obj: Any, leaf: Callable[[Any], Any], limit: int, depth: int = 0
 def _renumber(obj: Any, at: dict[int, int]) -> Any:
     """A call's arguments with each :class:`Ref` pointing at the call's new position (a start-over's survivors)."""
     return _map_nested(obj, lambda v: Ref(at[v.entry], v.slot) if isinstance(v, Ref) else v, 4)
+
+
+def _renumber_numbers(host: "tuple[HostNumber, ...] | None", at: dict[int, int]) -> "tuple[HostNumber, ...] | None":
+    """A survivor's host numbers after a start-over: a number read off a call that was not carried loses its source."""
+    if host is None:
+        return None
+    kept = tuple(dataclasses.replace(h, source=Ref(at[h.source.entry], h.source.slot)) if isinstance(h.source, Ref)
+                 else h for h in host if not isinstance(h.source, Ref) or h.source.entry in at)
+    return kept or None
+
+
+def _flat_numbers(values: Any, depth: int = 0) -> list[Any]:
+    """The numbers of a ``tolist()`` in row-major order (the tensor's flat index)."""
+    if type(values) is list and depth < 8:
+        return [v for item in values for v in _flat_numbers(item, depth + 1)]
+    return [values]
+
+
+_REPLAYED_NUMBERS: dict[int, tuple["weakref.ref[Any]", list[list[Any]]]] = {}
+"""id of a replay's provenance table (an op tracer's ``made_by``) -> (a weak reference to it; for each re-issued call
+that took host numbers: ``[first, last, [(key, index, value, replayed tensor), ...]]``, the call's ops being the
+tracer's op indices ``first < i <= last``)."""
+
+
+def _table_key(table: Any) -> Any:
+    return getattr(table, "inner", table)  # a wrapper of the table (localisation.exceptions) shares its numbers
+
+
+def note_replayed_numbers(table: Any, first: int, numbers: list[tuple[Any, int, Any, torch.Tensor]]) -> list[Any]:
+    """Note that the call a replay is about to re-issue (its ops will be numbered after ``first``) takes host numbers,
+    each ``(key, index, value, replayed tensor it was read off)``; returns the record, whose end index the caller sets
+    once the call has run (``record[1] = tracer.index``). What :func:`replayed_numbers` looks up."""
+    inner = _table_key(table)
+    record: list[Any] = [first, None, numbers]
+    key = id(inner)
+    held = _REPLAYED_NUMBERS.get(key)
+    if held is None or held[0]() is not inner:
+        held = (weakref.ref(inner, lambda _, key=key: _REPLAYED_NUMBERS.pop(key, None)), [])
+        _REPLAYED_NUMBERS[key] = held
+    held[1].append(record)
+    return record
+
+
+def replayed_numbers(table: Any, index: int) -> list[tuple[Any, int, Any, torch.Tensor]]:
+    """The host numbers (``(key, index, value, replayed tensor)``) taken by the re-issued call whose ops include the op
+    numbered ``index`` in the replay whose provenance table is ``table``; empty when none."""
+    if table is None or not _REPLAYED_NUMBERS:
+        return []
+    inner = _table_key(table)
+    held = _REPLAYED_NUMBERS.get(id(inner))
+    if held is None or held[0]() is not inner:
+        return []
+    for first, last, numbers in held[1]:
+        if first < index and (last is None or index <= last):
+            return numbers
+    return []
 
 
 def _same(replayed: Any, real: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..localisation.tracer import OpInfo, OpRecord
+from ..loss_tape import replayed_numbers
 from . import evidence as ev
 from .patterns import short_op
 
@@ -128,71 +129,162 @@ def _divisor(short: str, args: Any, operands: dict[str, torch.Tensor]) -> tuple[
 def _div_rule(rec: OpRecord, short: str, args: Any, kwargs: Any, out: torch.Tensor, mask: torch.Tensor,
               operands: dict[str, torch.Tensor], ref_bad: Any, ctx: RuleContext, facts: dict[str, Any]) -> Verdict | None:
     raw, d = _divisor(short, args, operands)
+    read: torch.Tensor | None = None
     if isinstance(raw, (int, float)):
-        return ("div_by_zero", "divided by the scalar 0", facts) if raw == 0 else None
-    if d is None:
-        return None
-    zeros = ev.count(d, lambda v: v == 0)
-    facts["divisor_zeros"] = zeros
-    if short == "rsqrt":
-        if ev.count(d, lambda v: v < 0):
-            return "sqrt_negative", f"{ev.count(d, lambda v: v < 0)} negative inputs, min {ev.fmt(float(d.min()))}", facts
-    if not zeros:
-        return None  # a tiny divisor: the generic rule calls the overflow
+        if raw != 0:
+            return None
+        read = _read_off(ctx, rec, raw)
+        if read is None:
+            return "div_by_zero", "divided by the scalar 0", facts
+        facts["divisor_read_to_host"] = True
+        zeros = 1
+    else:
+        if d is None:
+            return None
+        zeros = ev.count(d, lambda v: v == 0)
+        facts["divisor_zeros"] = zeros
+        if short == "rsqrt":
+            if ev.count(d, lambda v: v < 0):
+                return "sqrt_negative", f"{ev.count(d, lambda v: v < 0)} negative inputs, min {ev.fmt(float(d.min()))}", facts
+        if not zeros:
+            return None  # a tiny divisor: the generic rule calls the overflow
     num = operands.get("arg0") if short not in {"reciprocal", "rsqrt"} else None
-    both = num is not None and bool(((num == 0) & (d == 0)).any())
+    both = num is not None and (bool((num == 0).any()) if read is not None else bool(((num == 0) & (d == 0)).any()))
     if both and ctx.ignored_targets is not None:
         n, ignore = ctx.ignored_targets
         return "label_out_of_range", f"all {n} labels equal ignore_index={ignore}, so the count divided by is 0", facts
-    prod = _producer(ctx, raw)
+    source = read if read is not None else raw
+    prod = _producer(ctx, source)
     kind = short_op(prod.op) if prod is not None else None
-    stat = _statistic(ctx, raw)
+    stat = _statistic(ctx, source)
+    host = " (read to the host as the number 0)" if read is not None else ""
+    on = f"0 on {zeros} element(s)" if read is None else "0"
+    if stat is not None and stat[0] == "distance":
+        diff = _difference_of(stat[1])
+        if diff is not None and _reaches(ctx, args[0] if args and short not in {"reciprocal", "rsqrt"} else None, diff):
+            facts["normalised_difference"] = True
+            return ("zero_variance_norm", f"the divisor is the norm ({short_op(stat[1].op)}) of the difference it divides"
+                    f"{host}, {on}: that difference is all zeros, and no eps was added", facts)
+        facts["distance"] = True
+        return ("div_by_zero", f"the divisor is a distance ({short_op(stat[1].op)} of a difference of two values){host} "
+                f"that is {on}: two points coincide", facts)
     if stat is not None and stat[0] in _SPREAD_KINDS:
         slices = _constant_slices(stat[1]) if short_op(stat[1].op) in STAT_OPS or not stat[2] else None
         if slices is not None:
             facts["constant_slices"] = slices
         label = {"std": "standard deviation", "var": "variance", "norm": "norm", "rms": "root mean square"}[stat[0]]
-        if stat[2]:
+        if stat[3]:
+            label = f"product or multiple of {label}s"
+            facts["scaled_statistic"] = True
+        elif stat[2]:
             label = f"pooled or running {label}"
             facts["pooled_statistic"] = True
         # a std/variance is 0 on a constant slice; a norm or root mean square only on an all-zero one
         why = ("the slice it was computed over is constant (or has one element)" if stat[0] in {"std", "var"}
                else "the vector it was computed over is all zeros")
-        if stat[2]:
+        if stat[2] and not stat[3]:
             why = ("every value it was pooled or accumulated over is the same (each of its non-negative terms is 0)"
                    if stat[0] in {"std", "var"} else "every vector it was accumulated over is all zeros")
         return ("zero_variance_norm",
-                f"the divisor is a {label} ({short_op(stat[1].op)}) that is 0 on {zeros} element(s): {why}, and no "
-                "eps was added", facts)
+                f"the divisor is a {label} ({short_op(stat[1].op)}){host} that is {on}: {why}, and no eps was added", facts)
     if stat is not None and stat[0] == "count":
-        return "div_by_zero", f"the divisor is a count ({short_op(stat[1].op)} of a mask) that is 0: a mean over no element", facts
+        return ("div_by_zero", f"the divisor is a count ({short_op(stat[1].op)} of a mask){host} that is 0: a mean over "
+                "no element", facts)
+    if read is not None:
+        return "div_by_zero", f"divided by the scalar 0, read to the host off {kind.lstrip('_') if kind else 'a tensor'}", facts
     what = f", made by {kind.lstrip('_')}" if kind else ""
     zero_over_zero = " (0/0)" if both else ""
     return "div_by_zero", f"{zeros} zeros in the denominator{zero_over_zero}{what}", facts
+
+
+def _read_off(ctx: RuleContext, rec: OpRecord, value: float | int) -> torch.Tensor | None:
+    """The replayed tensor that the op's zero plain-number divisor was read off in the step (``x / t.item()``: the
+    tape noted the read, the replay the call that took the number, ``loss_tape.replayed_numbers``), when the
+    replayed tensor holds that number there; None when the number came from no tensor the replay made (a
+    literal, a setting) or which one is unclear."""
+    found = [n for n in replayed_numbers(ctx.made_by, rec.index) if n[2] == value]
+    preferred = [n for n in found if n[0] in (1, "other")] or found  # the divisor's argument of div / true_divide
+    if not preferred or len({id(n[3]) for n in preferred}) != 1:
+        return None
+    _, index, _, t = preferred[0]
+    t, index = _piece(ctx, t, index)
+    return t if _holds(t, index, value) else None
+
+
+def _piece(ctx: RuleContext, t: torch.Tensor, index: int) -> tuple[torch.Tensor, int]:
+    """The tensor and index element ``index`` of ``t`` (flattened) was made from, when ``t`` gathers several along
+    its first dimension (``torch.stack([x.mean(), x.std()]).tolist()``: the second number is the std's)."""
+    for _ in range(4):
+        info = ctx.made_by.get(t) if ctx.made_by is not None else None
+        args = info.args if info is not None else None
+        if not args or short_op(info.op) not in {"stack", "cat"} or not isinstance(args[0], (list, tuple)):
+            break
+        dim = args[1] if len(args) > 1 else (info.kwargs or {}).get("dim", 0)
+        if dim != 0:
+            break
+        for piece in args[0]:
+            if not isinstance(piece, torch.Tensor):
+                return t, index
+            if index < piece.numel():
+                t = piece
+                break
+            index -= piece.numel()
+        else:
+            break
+    return t, index
+
+
+def _holds(t: torch.Tensor, index: int, value: float | int) -> bool:
+    """Element ``index`` of ``t`` (flattened) is ``value`` (a number truncated by ``int()`` is not the tensor's)."""
+    if t.is_complex() or index >= t.numel():
+        return False
+    return bool(t.detach().reshape(-1)[index] == value)
+
+
+def _reaches(ctx: RuleContext, t: Any, target: OpInfo, limit: int = 256) -> bool:
+    """``t`` was computed from the output of ``target`` (its provenance reaches that op)."""
+    if ctx.made_by is None or not isinstance(t, torch.Tensor):
+        return False
+    stack, seen = [ctx.made_by.get(t)], set()
+    while stack and len(seen) < limit:
+        info = stack.pop()
+        if info is None or id(info) in seen:
+            continue
+        if info is target:
+            return True
+        seen.add(id(info))
+        stack.extend(info.parents)
+    return False
 
 
 def _first_tensor(info: OpInfo) -> torch.Tensor | None:
     return next((a for a in (info.args or ()) if isinstance(a, torch.Tensor)), None)
 
 
-def _statistic(ctx: RuleContext, t: Any) -> tuple[str, OpInfo, bool] | None:
+def _statistic(ctx: RuleContext, t: Any) -> tuple[str, OpInfo, bool, bool] | None:
     """What kind of statistic computed the divisor ``t``: a std/variance/norm/root mean square
-    (a normalisation), a count of a mask (an empty mean), or None; with the op that computed it and
-    whether the divisor combines it with other values (a pooled or running statistic). Looks through
-    views, casts, eps additions and roots, scaling by a positive count or constant, sums and means
-    of non-negative terms one of which is a statistic (a pooled variance, a running mean of
-    variances), and Welford's update ``M2 + delta * (x - mean)``; never through a difference."""
+    (a normalisation), a distance (the norm of a difference of two values), a count of a mask (an empty
+    mean), or None; with the op that computed it, whether the divisor combines it with other values (a
+    pooled or running statistic) and whether it is a product or positive multiple of statistics
+    (``|z_i| |z_j|``, ``2 |z|``). Looks through views, casts, eps additions, roots and powers, scaling by a
+    positive count or constant, products of non-negative statistics of one kind, sums and means of
+    non-negative terms one of which is a statistic (a pooled variance, a running mean of variances),
+    Welford's update ``M2 + delta * (x - mean)``, and a number read to the host and made a tensor again;
+    never through a difference."""
     if ctx.made_by is None or not isinstance(t, torch.Tensor):
         return None
-    found = _StatWalk().of(ctx.made_by.get(t))
+    found = _StatWalk(ctx.made_by).of(ctx.made_by.get(t))
     if found is None:
         return None
-    if found.combined and found.kind in _SPREAD_KINDS and not _zero_somewhere(found.info):
+    if found.combined and found.kind in _MEASURE_KINDS and not _zero_somewhere(found.info):
         return None  # the zero comes from elsewhere (an underflowing scale): not a zero statistic
-    return found.kind, found.info, found.combined
+    return found.kind, found.info, found.combined, found.scaled
 
 
 _SPREAD_KINDS = frozenset({"std", "var", "norm", "rms"})
+_MEASURE_KINDS = _SPREAD_KINDS | {"distance"}
+"""Non-negative statistics of the data: spreads, and distances (the norm of a difference of two values, zero
+where two points coincide: ``div_by_zero``, unless what it divides is that very difference)."""
 _VARIANCE_KINDS = frozenset({"std", "var"})
 """Spreads about a mean: the only statistics that stay statistics through a division by a value computed from
 the data (``M2 / n`` of a running variance). A norm divided by the sum of norms is a share (an importance weight,
@@ -209,6 +301,9 @@ class _Stat:
     info: OpInfo
     combined: bool = False
     """Reached through a scaling or a sum of several terms, not the statistic's own value."""
+    scaled: bool = False
+    """Reached through a product of statistics or a positive multiple of one only (``|z_i| |z_j|``, ``2 |z|``): the
+    same normalisation written another way, not a pooled statistic."""
 
 
 def _family(kind: str) -> str:
@@ -220,9 +315,11 @@ class _StatWalk:
     ops that made it, each step justified by the values the op received (a scale > 0, terms >= 0),
     so that a divisor equal to 0 means the statistic found is 0 there."""
 
-    def __init__(self) -> None:
+    def __init__(self, table: Any = None) -> None:
         self.memo: dict[tuple[int, bool], _Stat | None] = {}
         self.visits = 0
+        self.table = table
+        """The replay's provenance table (tensor -> the op that made it): where a number read to the host leads."""
 
     def of(self, info: OpInfo | None, depth: int = 0, summed: bool = False) -> _Stat | None:
         if info is None or depth > _WALK_DEPTH or self.visits > _WALK_NODES:
@@ -239,21 +336,23 @@ class _StatWalk:
         if kind in STAT_OPS:
             return _Stat("std" if kind.startswith("std") else "var", info)
         if kind in _NORM_STATS:
-            return _Stat("norm", info)
+            return _Stat("distance" if _is_distance(info) else "norm", info)
         if kind in _REDUCTIONS:
             inner = _parent(info)
             if inner is not None and _is_square(inner):  # squares first: all-zero squares look like a 0/1 mask
-                return _Stat("rms", inner)
+                return _Stat("distance" if _is_distance(inner) else "rms", inner)
             below = self.of(inner, depth + 1, True) if kind != "count_nonzero" else None
             if below is not None and below.kind in _SPREAD_KINDS:  # a mean of variances: a pooled variance
-                return dataclasses.replace(below, combined=True)
+                return dataclasses.replace(below, combined=True, scaled=False)
             if _is_count(info):
                 return _Stat("count", info)
-            return dataclasses.replace(below, combined=True) if below is not None else None
+            return dataclasses.replace(below, combined=True, scaled=False) if below is not None else None
         if summed and (_is_square(info) or _is_deviation_product(info)):
             # a term of an accumulation: (x - m)^2 or Welford's delta * (x - mean_new) is a variance's
-            # sum of squares; a square of anything else a root mean square's
-            return _Stat("var" if _is_deviation_product(info) or _centred_square(info) else "rms", info, True)
+            # sum of squares; (a - b)^2 of two values a squared distance's; a square of anything else a root mean square's
+            if _is_deviation_product(info) or _centred_square(info):
+                return _Stat("var", info, True)
+            return _Stat("distance" if _is_distance(info) else "rms", info, True)
         if kind in {"stack", "cat"} and info.parents:  # per-group statistics gathered (then pooled by a mean)
             found = [self.of(p, depth + 1, summed) for p in info.parents]
             return _combine(found, True) if all(f is not None for f in found) else None  # type: ignore[arg-type]
@@ -263,9 +362,28 @@ class _StatWalk:
             return self._sum(info, depth, summed)
         if kind in {"mul", "div", "true_divide"}:
             return self._scaled(info, kind, depth, summed)
+        if kind in {"mm", "bmm"} and _outer_product(info):  # a column times a row: |z|[:, None] @ |z|[None, :]
+            return self._scaled(info, "mul", depth, summed)
+        if self.table is not None and not any(p is not None for p in info.parents):
+            read = self._read_back(info)  # made from a number the step's code had read to the host: torch.tensor(s)
+            if read is not None:
+                return self.of(read, depth + 1, summed)
         if kind in PASS_THROUGH:
             return self.of(_parent(info), depth + 1, summed)
         return None
+
+    def _read_back(self, info: OpInfo) -> OpInfo | None:
+        """The op that made the tensor a number was read off, when ``info`` (an op made from no tensor of the
+        replay) made its output from that one number (``torch.tensor(std.item())``, ``torch.full(shape, n)``)."""
+        numbers = replayed_numbers(self.table, info.index)
+        if len({id(n[3]) for n in numbers}) != 1:
+            return None
+        _, index, value, t = numbers[0]
+        if not _holds(t, index, value) or not any(
+                (isinstance(a, torch.Tensor) and 0 < a.numel() <= 64 and not a.is_complex() and bool((a == value).all()))
+                or (isinstance(a, (int, float)) and not isinstance(a, bool) and a == value) for a in (info.args or ())):
+            return None
+        return self.table.get(t)
 
     def _sum(self, info: OpInfo, depth: int, summed: bool) -> _Stat | None:
         """``a + b (+ eps)``: every term >= 0 (so a zero sum is zero in every term), one of them a statistic."""
@@ -282,7 +400,9 @@ class _StatWalk:
         return _combine([f for f in found if f is not None], several)
 
     def _scaled(self, info: OpInfo, kind: str, depth: int, summed: bool) -> _Stat | None:
-        """A statistic times or divided by a positive constant or count (``M2 / n``, ``var * count``)."""
+        """A statistic times or divided by a positive constant or count (``M2 / n``, ``var * count``, ``2 |z|``), or a
+        product of non-negative statistics of one kind (``|z_i| |z_j|``, ``std_a * std_b``): zero only where one of
+        them is, the same normalisation however its divisor is written."""
         args = info.args or ()
         if kind != "mul":
             if (info.kwargs or {}).get("rounding_mode") is not None or not args or not isinstance(args[0], torch.Tensor):
@@ -294,22 +414,31 @@ class _StatWalk:
             below = self.of(_parent(info), depth + 1, summed)
             if below is None or (isinstance(den, torch.Tensor) and not _whole(den) and below.kind not in _VARIANCE_KINDS):
                 return None  # a norm over a sum of norms: a share, not a statistic of the data
-            return dataclasses.replace(below, combined=True)
+            return dataclasses.replace(below, combined=True, scaled=below.scaled or not below.combined)
         if any(not (math.isfinite(s) and s > 0) for s in scalars(args)):
             return None
         factors = [a for a in args if isinstance(a, torch.Tensor)]
         found: list[_Stat] = []
         for a, p in zip(factors, info.parents):
             f = self.of(p, depth + 1, summed)
-            if f is not None and f.kind in _VARIANCE_KINDS and _nonnegative(a):
-                found.append(f)  # a variance times a count or a constant (a pooled variance's n_c * var_c)
+            if f is not None and f.kind in _MEASURE_KINDS and _nonnegative(a):
+                found.append(f)  # a statistic times a count, a constant or another statistic (n_c * var_c, |z_i| |z_j|)
             elif _positive(a):
                 continue  # a scale (a count of a non-empty selection included)
             elif f is not None and f.kind == "count" and _nonnegative(a):
                 found.append(f)  # a count that is 0 somewhere: the product's zero is the count's
             else:
                 return None  # a factor that is 0 (or negative) somewhere and no statistic
-        return _combine(found, True)
+        product = _combine(found, True)
+        if product is None or product.kind not in _MEASURE_KINDS:
+            return product
+        return dataclasses.replace(product, scaled=all(f.scaled or not f.combined for f in found))
+
+
+def _outer_product(info: OpInfo) -> bool:
+    """A matrix product over an inner dimension of 1: every element is the product of one element of each side."""
+    tensors = [a for a in (info.args or ()) if isinstance(a, torch.Tensor)]
+    return len(tensors) == 2 and tensors[0].dim() >= 2 and tensors[0].shape[-1] == 1
 
 
 def _combine(found: list[_Stat], combined: bool) -> _Stat | None:
@@ -318,7 +447,7 @@ def _combine(found: list[_Stat], combined: bool) -> _Stat | None:
     if not found or len({_family(f.kind) for f in found}) > 1:
         return None
     best = next((f for f in found if short_op(f.info.op) in STAT_OPS | _NORM_STATS), found[0])
-    return dataclasses.replace(best, combined=best.combined or combined)
+    return dataclasses.replace(best, combined=best.combined or combined, scaled=best.scaled and not combined)
 
 
 def _nonnegative(t: torch.Tensor) -> bool:
@@ -348,7 +477,51 @@ def _centred_square(info: OpInfo) -> bool:
     parent = _parent(info)
     if parent is None or short_op(parent.op) != "sub" or len(parent.parents) < 2:
         return False
-    centre = parent.parents[1]
+    return _centring(parent)
+
+
+_TO_DIFFERENCE = frozenset({"view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze", "clone", "contiguous",
+                            "alias", "_to_copy", "detach", "t", "transpose", "permute", "slice", "select", "expand_as",
+                            "to", "view_as", "flatten", "abs", "square", "pow", "mul"})
+
+
+def _difference_of(info: OpInfo | None) -> OpInfo | None:
+    """The subtraction ``a - b`` of two values of the data (not a centring ``x - mean``) whose norm, or square, the
+    statistic ``info`` is: through views, ``abs``, powers and an eps added (``|a - b + eps|``, ``pairwise_distance``)."""
+    node = _parent(info) if info is not None else None
+    for _ in range(8):
+        if node is None:
+            return None
+        kind = short_op(node.op)
+        if kind in {"sub", "rsub"}:
+            tensors = [a for a in (node.args or ()) if isinstance(a, torch.Tensor)]
+            if len(tensors) < 2 or len(node.parents) < 2 or _mean_type(node.parents[0]) or _centring(node):
+                return None  # a shift by a constant, or a deviation of or from a mean (Chan's delta): not a distance
+            return node
+        if kind in _TO_DIFFERENCE and (kind != "mul" or _is_square(node)) or (
+                kind == "add" and len([a for a in (node.args or ()) if isinstance(a, torch.Tensor)]) == 1):
+            node = _parent(node)
+            continue
+        return None
+    return None
+
+
+def _is_distance(info: OpInfo) -> bool:
+    """The statistic ``info`` (a norm, or a square summed) measures the gap between two values of the data: the norm
+    of their difference, or a norm of two point sets (``cdist``)."""
+    if short_op(info.op) in _NORM_STATS and len([a for a in (info.args or ()) if isinstance(a, torch.Tensor)]) >= 2:
+        return True
+    return _difference_of(info) is not None
+
+
+def _centring(sub: OpInfo) -> bool:
+    """The subtraction ``sub`` takes away a mean-type value of the data (a reduction's output, a statistic, a running
+    buffer): ``x - mean`` is a deviation."""
+    return _mean_type(sub.parents[1] if len(sub.parents) > 1 else None)
+
+
+def _mean_type(centre: OpInfo | None) -> bool:
+    """A value a replayed op made that is mean-like (a reduction's output, a statistic, a running buffer's update)."""
     if centre is None:
         return False
     kind = short_op(centre.op)

@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..capture import floating_tensors
-from ..loss_tape import LossTape, Ref, _snapshot, tensors_of
+from ..loss_tape import EarlierRef, LossTape, Ref, _snapshot, note_replayed_numbers, tensors_of
 from ..storage.tape_codec import OutputRef, PreludeRef
 from .rerun import _upcast, autocast_held_off, grad_targets, run_unit
 from .tracer import OpRecord, OpTracer, replay_site
@@ -134,7 +134,10 @@ class _Decoder:
                     copy.requires_grad_(True)
                     self.leaves.append(copy)
                 self.copies[key] = copy
-                self.externals[id(copy)] = "input"
+                # a copy of a parameter or buffer (the prelude copies all) keeps its name: a NaN read from it is the
+                # model's state, not the batch
+                name = self.externals.get(key, "")
+                self.externals[id(copy)] = name if name.startswith(("param:", "buffer:")) else "input"
             return copy
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self(v) for v in obj)
@@ -165,6 +168,7 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precisi
         marks = dict(tape.rng_marks)
         for index in range(start, len(tape.entries) if stop is None else stop):
             entry = tape.entries[index]
+            numbers = None
             if index in marks:
                 marks[index].restore()
             tracer.module_override = entry.module
@@ -177,6 +181,7 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precisi
                     args = (args[0], tracer.modules.owned_hook(args[1], entry.module), *args[2:])
                 if full_precision:
                     args, kwargs = _upcast(args), _upcast(kwargs)
+                numbers = _host_numbers(entry, decode, tracer) if entry.host else None
                 # the call's ops are the entry's line, unless the user's own code runs below it (a custom
                 # Function's forward kept as one call): then that code's line
                 with replay_site(sys._getframe(), entry.source):
@@ -185,8 +190,30 @@ def _reissue(tape: LossTape, decode: _Decoder, tracer: OpTracer, *, full_precisi
                 return exc
             finally:
                 tracer.module_override = None
+                if numbers is not None:
+                    numbers[1] = tracer.index
             decode.values.append(tensors_of(out))
     return None
+
+
+def _host_numbers(entry: Any, decode: _Decoder, tracer: OpTracer) -> list[Any] | None:
+    """The replayed tensors the call's plain-number arguments were read off in the step (``x / t.item()``), noted
+    for the tracer's provenance table (``loss_tape.note_replayed_numbers``): the call still takes the numbers the step
+    took; a cause rule follows a number to the op that made its tensor. None when no source can be replayed."""
+    numbers: list[tuple[Any, int, Any, torch.Tensor]] = []
+    for host in entry.host:
+        source = host.source
+        try:
+            if isinstance(source, EarlierRef):
+                values = decode.prelude_values
+                replayed = values[source.entry][source.slot] if values is not None else None
+            else:
+                replayed = decode(source)
+        except (IndexError, KeyError):  # a call the tape no longer holds (kept only up to the step's backward())
+            replayed = None
+        if isinstance(replayed, torch.Tensor):
+            numbers.append((host.key, host.index, host.value, replayed))
+    return note_replayed_numbers(tracer.made_by, tracer.index, numbers) if numbers else None
 
 
 def _replay_prelude(prelude: LossTape, tracer: OpTracer, *, exclude: set[int],
