@@ -126,17 +126,6 @@ XFAIL: dict[str, str] = {
         "quiet_pl_bf16_mixed_handwritten_softmax_logit_30_fits_bfloat16",
         "quiet_pl_validation_step_nan_from_missing_value_coded_zero",
         "quiet_pl_training_step_logs_nan_recall_batch_without_positives")},
-    "pl_accumulate2_cox_partial_likelihood_second_microbatch_all_censored[zero_intrusive]":
-        "nantrace says step 3 nonfinite_loss op=None cause=unknown source=None ('the loss code could not be "
-        "replayed (re-running it raised IndexError: list index out of range)'). Right: aten.div.Tensor, "
-        "div_by_zero, module None, the pl_cox_div line. Fault: src/nantrace/loss_tape.py LossTape.keep_first, called "
-        "by StepRecorder.end_step_code from Guard._optimizer_pre: at Lightning's optimizer.step(closure) for the "
-        "second micro-batch the pre-hook drops the calls taped after the first micro-batch's backward (Lightning's "
-        "logging and the batch transfer `to` of micro-batch 2, which returns x/time/event unchanged) but leaves "
-        "their outputs in LossTape._made; the closure's new calls are appended from index 28 while micro-batch 2's "
-        "tensors still map to Refs 40/41 of deleted entries, so loss_replay._Decoder reads values[40] -> IndexError "
-        "(with more calls it would silently read an unrelated value). The callback mode replays training_step whole "
-        "(guard.replayable) and never decodes that tape.",
     "hf_gpt2_accum2_clip_quality_weighted_nll_gather_minus100_raises[replayable]":
         "no incident at all (Guard.diagnose_exception returns None), while the callback alone (zero_intrusive) gets "
         "it right. Right: exception, aten.gather.default, module None, label_out_of_range at the hf_gather line. "

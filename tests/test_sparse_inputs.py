@@ -111,3 +111,31 @@ def test_a_forward_origin_after_a_sparse_product_is_localised(layout: str) -> No
 def _line(tag: str) -> int:
     with open(__file__) as f:
         return next(i for i, text in enumerate(f, 1) if text.rstrip().endswith(f"# <origin:{tag}>"))
+
+
+def test_a_loss_code_origin_with_sparse_gradients_is_localised_without_replayable() -> None:
+    """Sparse embedding gradients and a NaN made by the loss code (a triplet distance's sqrt at 0): the loss
+    tape's replay reads the replayed sparse gradients through their stored values."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(30, 8, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    guard = nantrace.watch(emb, opt, config=nantrace.Config(outputs={"print_incidents": False}))
+    g = torch.Generator().manual_seed(6)
+    try:
+        for step in range(4):
+            a = torch.randint(0, 30, (16,), generator=g)
+            p, n = ((a + 1 + torch.randint(0, 29, (16,), generator=g)) % 30 for _ in range(2))  # never a
+            if step == 2:
+                p[5] = a[5]  # a duplicate pair: the distance is exactly 0
+            ea, ep, en = emb(a), emb(p), emb(n)
+            d_pos = ((ea - ep) ** 2).sum(-1).sqrt()  # <origin:triplet_sqrt>
+            d_neg = ((ea - en) ** 2).sum(-1).sqrt()
+            opt.zero_grad()
+            torch.relu(d_pos - d_neg + 1.0).mean().backward()
+            opt.step()
+    finally:
+        guard.close()
+    [incident] = guard.incidents
+    assert (incident.step, incident.kind, incident.phase, incident.op, incident.module, incident.cause) == (
+        2, "nonfinite_grad", "backward", "aten.sqrt.default", None, "grad_singularity")
+    assert incident.source.endswith(f"test_sparse_inputs.py:{_line('triplet_sqrt')}")

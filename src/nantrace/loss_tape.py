@@ -284,6 +284,10 @@ class _MadeTable:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def drop_from(self, n: int) -> None:
+        """Forget the tensors made by calls ``n`` and after (the tape forgot those calls)."""
+        self._by_id = {k: v for k, v in self._by_id.items() if v[1].entry < n}
+
 
 def _tensor_uses(roots: list[Any]) -> dict[int, list[Any]]:
     """Each distinct tensor in ``roots`` (nested tuples, lists and dicts, a few levels deep) -> [tensor, uses]."""
@@ -939,6 +943,8 @@ class LossTape(TorchFunctionMode):
         if len(self.entries) <= n and not (self.truncated and n < self.limit):
             return
         del self.entries[n:]
+        del self.outputs[n:]
+        self._made.drop_from(n)  # a later call reading one of their outputs must not name a number reused after n
         if n < self.limit:  # the calls up to n were all kept: only the window after them filled the tape
             self.truncated = False
         self.rng_marks = [m for m in self.rng_marks if m[0] < n]

@@ -25,7 +25,7 @@ from ..capture import floating_tensors
 from ..loss_tape import EarlierRef, LossTape, Ref, _snapshot, note_replayed_numbers, tensors_of
 from ..storage.tape_codec import OutputRef, PreludeRef
 from .rerun import _upcast, autocast_held_off, grad_targets, run_unit
-from .tracer import OpRecord, OpTracer, replay_site
+from .tracer import OpRecord, OpTracer, all_finite, replay_site
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -260,7 +260,7 @@ def trace_prelude_inputs(prelude: LossTape, inputs: list[torch.Tensor], tracer: 
     tracer.flush()
     for t in wanted:
         replayed = by_id.get(id(t))
-        if replayed is not None and not bool(torch.isfinite(replayed).all()):
+        if replayed is not None and not all_finite(replayed):
             return tracer.producer.get(replayed)
     return None
 
@@ -430,5 +430,5 @@ def replay_step(watched: "Watched", units: list[Any], tape: LossTape | None, tra
         return StepResult(loss, bad_loss is None, None, exc, outputs_finite)
     if bad_loss is not None:
         return StepResult(bad_loss, False, None, None, outputs_finite)
-    return StepResult(loss, True, all(bool(torch.isfinite(g).all()) for g in grads if g is not None), None,
+    return StepResult(loss, True, all(all_finite(g) for g in grads if g is not None), None,
                       outputs_finite)
