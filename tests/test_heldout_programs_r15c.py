@@ -106,35 +106,7 @@ CASES: dict[str, tuple[Callable[[Path, str], "Outcome"], Want]] = {}
 QUIET: dict[str, Callable[[Path, str], "Outcome"]] = {}
 RAISES: dict[str, tuple[type, str]] = {}
 """Exception cases -> (the user's exception type, the op the exception left the dispatcher from)."""
-_AUTOWATCH_LIGHTNING = (
-    "nantrace run's AutoWatch watches nothing ('a <Optimizer> optimizer steps parameters of no model the script "
-    "called; it is not watched'): no guard, no incident. Right: the LightningModule and the optimizer of "
-    "configure_optimizers are paired and the run is diagnosed as with the callback. Fault: "
-    "src/nantrace/autowatch.py AutoWatch._optimizer_pre -> _attach: Lightning (automatic optimisation, no "
-    "accumulation) calls optimizer.step(closure) and runs training_step, the model's first forward, INSIDE the "
-    "closure, i.e. after torch's step pre-hooks; at the first pre-hook no top-level module has been called, "
-    "owner() is None, yet _attach has already put the optimizer in _seen, so _attach_at_forward skips it when the "
-    "closure's forward begins and the pair is never made (with accumulate_grad_batches=2 the first micro-batch's "
-    "forward runs outside step() and pairing works: case 1a)")
 XFAIL: dict[str, str] = {
-    **{f"{name}[zero_intrusive]": _AUTOWATCH_LIGHTNING for name in (
-        "pl_gradient_clip_val_sparse_coder_l_half_penalty_blank_patch",
-        "pl_bf16_mixed_handwritten_softmax_raw_counts_exp_beyond_float32",
-        "pl_reinforce_per_frame_standardisation_blank_frame_multinomial_raises",
-        "pl_lbfgs_pinn_radial_laplacian_collocation_grid_includes_axis",
-        "pl_training_step_returns_none_on_nan_masked_mse_nothing_masked",
-        "quiet_pl_bf16_mixed_handwritten_softmax_logit_30_fits_bfloat16",
-        "quiet_pl_validation_step_nan_from_missing_value_coded_zero",
-        "quiet_pl_training_step_logs_nan_recall_batch_without_positives")},
-    "hf_gpt2_accum2_clip_quality_weighted_nll_gather_minus100_raises[replayable]":
-        "no incident at all (Guard.diagnose_exception returns None), while the callback alone (zero_intrusive) gets "
-        "it right. Right: exception, aten.gather.default, module None, label_out_of_range at the hf_gather line. "
-        "Fault: src/nantrace/localisation/exceptions.py diagnose_exception: with replayable calls it re-runs only "
-        "them (_replay_units, tape=None); the real compute_loss popped 'labels' and 'quality' from its `inputs` "
-        "dict (the usual HF idiom) and the CallRecord holds that same dict, not its contents at entry, so the "
-        "re-run raises KeyError('labels'): no value message, no failed op, return False. Unlike the NaN path "
-        "(localiser: details['replayable_call_raised'] -> forwards + loss tape), there is no fallback to the "
-        "taped step when the re-run raises an exception other than the user's.",
 }
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 

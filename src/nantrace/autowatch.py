@@ -11,8 +11,11 @@ localised like any other (:meth:`AutoWatch._attach_at_forward`). Otherwise, at a
 optimizer's first step it finds the root module that owns the optimizer's parameters and
 opens the guard on the spot; that guard's own step pre-hook still runs for this first step
 (torch reads the optimizer's hooks after the global ones), so the first step is checked
-too, but not localised (its forward ran before the guard existed). Steps through a
-GradScaler (``scaler.step(optimizer)``) give the guard the scaler as well.
+too, but not localised (its forward ran before the guard existed). A first
+``optimizer.step(closure)`` met before any model was called (Lightning, an L-BFGS script: the model runs
+inside the closure) has its closure wrapped, so that the pairing happens inside it
+(:meth:`AutoWatch._closure_pairing`). Steps through a GradScaler (``scaler.step(optimizer)``) give the guard
+the scaler as well.
 
 :func:`run_script` runs a script as ``python SCRIPT ARGS...`` would, under an AutoWatch;
 ``nantrace run`` (``nantrace.cli.run``) is the command-line glue around it.
@@ -191,10 +194,68 @@ class AutoWatch:
                 guard.recorder.forward_pre(module, args, awaited)
                 self._first_calls.setdefault(id(module), (module, []))[1].append(awaited)
 
-    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.closed and optimizer not in self._seen:
-            with in_global_chain():  # a guard opened here registers its global hook at its own instance hook
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        if self.closed or optimizer in self._seen:
+            return None
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if callable(closure) and _own_guard(optimizer) is None and self.owner(optimizer) is None:
+            # no model called yet, but the step evaluates a closure: its model may run inside it (Lightning's
+            # automatic optimisation, an L-BFGS script): pair there rather than give up on the optimizer
+            paired = self._closure_pairing(optimizer, closure)
+            if len(args) > 1:
+                return (args[0], paired, *args[2:]), kwargs
+            return args, {**kwargs, "closure": paired}
+        with in_global_chain():  # a guard opened here registers its global hook at its own instance hook
+            self._attach(optimizer, None)
+        return None
+
+    def _closure_pairing(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+        """The closure of the first step of an optimizer that steps parameters of no module called so far (the
+        model runs only inside the closure, after torch's step pre-hooks). The optimizer waits in ``_created``,
+        so the first training forward in the closure opens its guard as at any first forward
+        (:meth:`_attach_at_forward`: captured and localised); once the closure returns, a guard opened in it,
+        whose step pre-hook this step never ran, takes the step (its closure check decides it on this evaluation
+        and checks every later one, before the update); without a guard then, the modules the evaluation called
+        decide as at any first step (:meth:`_attach`: a partial owner, a float16 model; or the note that the
+        optimizer steps no model's parameters)."""
+        self._created.add(optimizer)
+        checked: list[Any] = []
+        evaluated = [False]
+
+        def evaluate() -> Any:
+            if checked:
+                return checked[0]()
+            if evaluated[0]:  # nothing was paired at the first evaluation: the script's closure as it is
+                return closure()
+            try:
+                result = closure()
+            finally:
+                evaluated[0] = True
+                self._created.discard(optimizer)
+            if self.closed:
+                return result
+            guard = self._guard_of(optimizer)
+            if guard is None and optimizer not in self._seen:
                 self._attach(optimizer, None)
+                guard = self._guard_of(optimizer)
+            if guard is None:
+                return result
+            first = [result]
+
+            def again() -> Any:  # the evaluation already made, then the script's closure
+                return first.pop() if first else closure()
+
+            taken = guard.join_step(optimizer, (optimizer, again), {})
+            if taken is None:  # the guard takes no step (closed)
+                return result
+            checked.append(taken[0][1])
+            return checked[0]()
+
+        return evaluate
+
+    def _guard_of(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The open guard of ``optimizer`` (a session of this AutoWatch), or ``None``."""
+        return next((s.guard for s in self.sessions if s.optimizer is optimizer and not s.closed), None)
 
     def _patch_optimizer_class(self) -> None:
         original = torch.optim.Optimizer.__init__

@@ -305,6 +305,12 @@ class Guard:
         self._decided_globally = bool(global_hooks_after_own(optimizer))
         return self._optimizer_pre(optimizer, args, kwargs) if self._decided_globally else None
 
+    def join_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        """A step already inside ``optimizer.step()`` when this guard opened (``nantrace run`` pairing inside the
+        first step's closure): do what the guard's step pre-hook does, now. Returns the ``(args, kwargs)`` the step
+        goes on with (its closure checked), or ``None``."""
+        return self._instance_pre(optimizer, args, kwargs)
+
     def _instance_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if self._global_handle is None:
             self._register_global_pre()

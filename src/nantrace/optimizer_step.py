@@ -102,11 +102,11 @@ def global_hooks_after_own(optimizer: Any) -> list[Callable[..., Any]]:
     hooks = _global_pre_hooks()
     if not hooks:
         return []
-    values = list(hooks.values())
-    users = [h for h in values if not own_hook(h)]  # a few entries: ours, AutoWatch's, a tooling library's
-    if not users:
+    values = list(hooks.values())  # a few entries: ours, AutoWatch's, a tooling library's
+    first_user = next((i for i, h in enumerate(values) if not own_hook(h)), None)
+    if first_user is None:
         return []
-    first_user = next(i for i, h in enumerate(values) if not own_hook(h))
+    users = [h for h in values[first_user:] if not own_hook(h)]
     if not any(getattr(h.__self__, "optimizer", None) is optimizer for h in values[:first_user]):
         return []
     return users

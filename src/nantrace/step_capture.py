@@ -18,7 +18,9 @@ Usage (inside the guard)::
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import functools
 import sys
 import weakref
@@ -446,7 +448,11 @@ class StepRecorder:
             recorder = recorder_ref()
             if recorder is None or recorder.watched.closed or recorder.watched.replaying or not torch.is_grad_enabled():
                 return fn(*args, **kwargs)
-            record = CallRecord(fn=fn, args=args, kwargs=kwargs, rng=RngState.current(host=True),  # + random, numpy
+            # the record keeps the call's dict and list arguments as received (shallow copies): a call that pops
+            # its inputs (HF's ``inputs.pop("labels")``) or appends to a list re-runs from what it read
+            record = CallRecord(fn=fn, args=tuple(entry_copy(a) for a in args),
+                                kwargs={k: entry_copy(v) for k, v in kwargs.items()},
+                                rng=RngState.current(host=True),  # + random, numpy
                                 autocast=AutocastState.current(), buffers=recorder.buffers.snapshot())
             recorder.capture.calls.append(record)
             received = recorder._received(args, kwargs)
@@ -525,6 +531,32 @@ class StepRecorder:
         if self.gradient_tape is not None:
             self.gradient_tape.detach()
         self.capture = StepCapture()
+
+
+ENTRY_COPY_MAX = 4096
+"""A dict or list argument of a ``replayable`` call with more entries than this is kept as it is, not copied."""
+
+_USER_CONTAINERS = frozenset({collections.UserDict, collections.UserList})
+
+
+def entry_copy(value: Any) -> Any:
+    """A shallow copy of ``value`` when it is a dict or a list (or a subclass, ``UserDict``/``UserList``: an HF
+    ``BatchEncoding``) of at most :data:`ENTRY_COPY_MAX` entries, else ``value`` itself: the container a
+    ``replayable`` call received, as it was at the call's entry. No tensor is copied (the entries are the same
+    objects), well under a microsecond for a batch dict; what the call then pops from it or appends to it stays
+    out of the copy, so the call's re-run (``rerun._run_unit``, which feeds a fresh copy of it each time) reads
+    what the real call read. A container that cannot be copied (a subclass refusing ``copy.copy``) is kept as it is."""
+    cls = type(value)
+    if cls is dict or cls is list:
+        return value.copy() if len(value) <= ENTRY_COPY_MAX else value
+    if not isinstance(value, (dict, list)) and _USER_CONTAINERS.isdisjoint(cls.__mro__):
+        return value  # (their ABC's isinstance would cost more than the copy)
+    try:
+        if len(value) > ENTRY_COPY_MAX:
+            return value
+        return copy.copy(value)
+    except Exception:  # noqa: BLE001 - the user's container class: the call is then recorded with it as it is
+        return value
 
 
 _graph_task = getattr(torch._C, "_current_graph_task_id", None)

@@ -36,7 +36,7 @@ from ..diagnosis.patterns import explain, short_op
 from .loss_replay import replay_step
 from .modules import ModuleStack
 from .origin import _TRIVIAL, Origin, chain_summary, trace_back
-from .rerun import output_ok, rerun_scope, run_unit
+from .rerun import RerunSkipped, output_ok, rerun_scope, run_unit
 from .tracer import (CallFailureWatch, FailedOp, InputRef, OpInfo, OpRecord, OpTracer, _all_finite, _is_library, _nan_inf, format_source,
                      tensor_stats)
 
@@ -87,7 +87,7 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
     real loss and gradients first (:func:`_after_backward`), unless ``judged``: the step's check has already
     run on them (an exception raised from inside ``optimizer.step()`` or ``scaler.step()``).
     """
-    from .localiser import externals_of, param_modules
+    from .localiser import param_modules
 
     if not judged and _reached_backward(capture):
         # raised between backward() and optimizer.step() (clip_grad_norm_(error_if_nonfinite=True), the user's own
@@ -101,36 +101,19 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
             return _after_backward(watched, incident, capture, exc, seen)
         if abandoned:  # finite loss and gradients: a step left after backward() for a reason of its own
             return False
-    units: list[Any] = list(capture.calls) or list(capture.forwards)
-    replayable = bool(capture.calls)
-    tape = capture.tape if not replayable else None
-    records: list[OpRecord] = []
-    failure: FailedOp | None = None
-    tracer: OpTracer | None = None
-    replay_error: BaseException | None = None
-    externals = externals_of(watched, units)
-    model_start: OpRecord | None = None
     checked = _checked_value(exc)
-    with rerun_scope(watched):
-        modules = ModuleStack(watched.root)
-        tracer = OpTracer(modules, externals)
-        if checked is not None:  # the replay's tensors like the value a Python check rejected, kept to find its twin
-            tracer.made_by = _KeepingLike(tracer.made_by, checked)
-        calls = CallFailureWatch(tracer)
-        with modules, tracer, calls:
-            if replayable:
-                result = _replay_units(watched, units)
-                replay_error, outputs_finite, observed = result
-            elif not units and capture.prelude is not None and capture.prelude.failed is not None:
-                # the step died before the model's forward: its code up to the call that raised is all there is
-                replay_error, outputs_finite = _replay_failed_prelude(capture.prelude, tracer), True
-            else:
-                step = replay_step(watched, units, tape, tracer, backward=False, prelude=capture.prelude)
-                replay_error, outputs_finite, observed = step.error, step.model_outputs_finite, []
-        records.extend(tracer.records)
-        failure = tracer.failure or _same_failure(calls.failed, exc)
-        if not outputs_finite:  # the model's own outputs went bad before any check raised
-            model_start = next((r for r in tracer.records if r.phase == "forward" and r.out_nan), None)
+    replay = _replay(watched, capture, checked)
+    if capture.calls and _not_the_users(replay.error, exc) and capture.forwards and capture.tape is not None \
+            and capture.tape.usable:
+        # re-running the replayable call raised an exception of its own (its state moved on since, a check of the
+        # replay's): the step's forwards and taped loss code hold what the real call computed (as localiser does)
+        if isinstance(replay.error, RerunSkipped):
+            incident.details["rerun_skipped"] = str(replay.error)
+        else:
+            incident.details["replayable_call_raised"] = True
+        replay = _replay(watched, capture.without_calls(), checked)
+    records, failure, tracer = replay.records, replay.failure(exc), replay.tracer
+    replay_error, model_start = replay.error, replay.model_start
     error = exc if exc is not None else replay_error
     decompositions = tracer.failed_decompositions if tracer is not None else []
     if error is None and not abandoned:
@@ -179,6 +162,63 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
     if cls.evidence:
         incident.details["evidence"] = {k: (str(v) if isinstance(v, float) else v) for k, v in cls.evidence.items()}
     return True
+
+
+@dataclasses.dataclass
+class _Replay:
+    """What one replay of the step that raised showed."""
+
+    tracer: OpTracer
+    calls: CallFailureWatch
+    error: BaseException | None
+    model_start: OpRecord | None
+
+    @property
+    def records(self) -> list[OpRecord]:
+        return list(self.tracer.records)
+
+    def failure(self, exc: BaseException | None) -> FailedOp | None:
+        return self.tracer.failure or _same_failure(self.calls.failed, exc)
+
+
+def _replay(watched: "Watched", capture: Any, checked: torch.Tensor | None) -> _Replay:
+    """Replay ``capture``'s step under the op tracer until it raises: its ``replayable`` calls when it has
+    any (the loss is inside them), else the model's forwards and the loss tape (or the prelude, for a step that
+    died before the model's forward)."""
+    from .localiser import externals_of
+
+    units: list[Any] = list(capture.calls) or list(capture.forwards)
+    replayable = bool(capture.calls)
+    tape = capture.tape if not replayable else None
+    externals = externals_of(watched, units)
+    model_start: OpRecord | None = None
+    with rerun_scope(watched):
+        modules = ModuleStack(watched.root)
+        tracer = OpTracer(modules, externals)
+        if checked is not None:  # the replay's tensors like the value a Python check rejected, kept to find its twin
+            tracer.made_by = _KeepingLike(tracer.made_by, checked)
+        calls = CallFailureWatch(tracer)
+        with modules, tracer, calls:
+            if replayable:
+                replay_error, outputs_finite, _ = _replay_units(watched, units)
+            elif not units and capture.prelude is not None and capture.prelude.failed is not None:
+                # the step died before the model's forward: its code up to the call that raised is all there is
+                replay_error, outputs_finite = _replay_failed_prelude(capture.prelude, tracer), True
+            else:
+                step = replay_step(watched, units, tape, tracer, backward=False, prelude=capture.prelude)
+                replay_error, outputs_finite = step.error, step.model_outputs_finite
+        if not outputs_finite:  # the model's own outputs went bad before any check raised
+            model_start = next((r for r in tracer.records if r.phase == "forward" and r.out_nan), None)
+    return _Replay(tracer, calls, replay_error, model_start)
+
+
+def _not_the_users(replayed: BaseException | None, exc: BaseException | None) -> bool:
+    """The re-run of a ``replayable`` call raised, and not the real step's exception (another type or message):
+    a ``KeyError`` of an input the real call had already popped, an index its state has moved past, a
+    :class:`RerunSkipped`."""
+    if replayed is None or exc is None:
+        return False
+    return type(replayed) is not type(exc) or str(replayed) != str(exc)
 
 
 def _replay_failed_prelude(prelude: Any, tracer: OpTracer) -> BaseException | None:

@@ -377,7 +377,12 @@ def _run_unit(watched: "Watched", unit: Unit, *, full_precision: bool, backward:
             for n, b in watched.root.named_buffers():
                 if n in unit.buffers and b.shape == unit.buffers[n].shape:
                     b.copy_(unit.buffers[n])
-    args, kwargs = tree_map_only(torch.Tensor, inputs or _cut, (unit.args, unit.kwargs))
+    args, kwargs = unit.args, unit.kwargs
+    if isinstance(unit, CallRecord):  # the dicts and lists it received, as copies: each re-run pops from its own
+        from ..step_capture import entry_copy
+
+        args, kwargs = tuple(entry_copy(a) for a in args), {k: entry_copy(v) for k, v in kwargs.items()}
+    args, kwargs = tree_map_only(torch.Tensor, inputs or _cut, (args, kwargs))
     if full_precision:
         args, kwargs = _upcast(args), _upcast(kwargs)
     contexts: list[Any] = [autocast_held_off()] if full_precision else unit.autocast.contexts()
