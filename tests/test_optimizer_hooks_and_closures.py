@@ -557,3 +557,29 @@ def test_global_hooks_are_left_as_found_and_a_guard_opened_inside_the_global_cha
     finally:
         handle.remove()
     assert dict(optimizer_module._global_optimizer_pre_hooks) == before
+
+
+def test_a_step_ended_at_a_later_evaluation_returns_the_first_evaluations_loss() -> None:
+    """torch's L-BFGS returns its first evaluation's loss from ``step(closure)``: a step the guard ends at a later,
+    non-finite evaluation returns the same, so ``loss = opt.step(closure); loss.item()`` goes on training."""
+    program = _noise_fit()
+    model, opt = program.model, program.optimizer
+    guard = nantrace.watch(model, opt, config=nantrace.Config(outputs={"print_incidents": False}))
+    returned = []
+    try:
+        for batch in program.batches:
+            first = []
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = program.loss(model, batch)
+                loss.backward()
+                if not first:
+                    first.append(loss)
+                return loss
+
+            returned.append((opt.step(closure), first[0]))
+    finally:
+        guard.close()
+    assert [i.step for i in guard.incidents if i.action != "logged"] == [FAIL]
+    assert all(out is loss for out, loss in returned) and math.isfinite(returned[FAIL][0].item())

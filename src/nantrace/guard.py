@@ -454,6 +454,7 @@ class Guard:
                 result = closure()
             self.recorder.end_step_code()  # the closure's code has ended (a training_step that returned None too)
             if not later:
+                run.first = result
                 self._first_evaluation(run, result, once=once)
             elif checked and not evaluation_finite(result, self.watched.params):
                 self._later_evaluation(run, result)
@@ -486,7 +487,8 @@ class Guard:
             return
         run.stopped, run.result = True, result
         self.update_check.abandon(undo=decision.incident.action != Action.ROLLED_BACK)
-        raise StepAbandoned(f"nantrace: evaluation {run.calls} of the closure is non-finite at step {self.step}")
+        raise StepAbandoned(f"nantrace: evaluation {run.calls} of the closure is non-finite at step {self.step}",
+                            step_result=run.first)
 
     def _prepare_update(self, decision: Decision | None, *, unproven: str | None = None, grads: bool = False) -> None:
         """Block the update (grads set aside) or let monitors see the parameters before it. ``unproven``:

@@ -193,7 +193,13 @@ def keep_last_global_post(hook: Callable[..., Any], handle: Any) -> Any:
 
 class StepAbandoned(Exception):
     """Raised by nantrace's closure wrapper inside ``optimizer.step()``: a later evaluation of the closure was
-    non-finite, the step is ended there (the guard swallows it once the step is undone and booked)."""
+    non-finite, the step is ended there (the guard swallows it once the step is undone and booked).
+    ``step_result`` is what ``step(closure)`` then returns: the first evaluation's result, as L-BFGS returns
+    (a script's ``loss = optimizer.step(closure); loss.item()`` goes on)."""
+
+    def __init__(self, message: str, step_result: Any = None) -> None:
+        super().__init__(message)
+        self.step_result = step_result
 
 
 @dataclasses.dataclass
@@ -204,6 +210,8 @@ class ClosureRun:
     stopped: bool = False
     """A blocked evaluation ended the step: later calls of the closure return ``result`` without running it."""
     result: Any = None
+    first: Any = None
+    """The first evaluation's result (what the step returns when a later evaluation ends it)."""
     snapshot: bool = False
     """The parameters and optimizer state were copied at the first evaluation for a blocked step (undone after it)."""
 

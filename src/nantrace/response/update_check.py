@@ -395,7 +395,7 @@ def _wrap_step(check: UpdateCheck, optimizer: torch.optim.Optimizer) -> Any:
             owner = check_ref()
             handler = owner.on_raise if owner is not None else None
             if handler is not None and handler(owner.optimizer, exc):  # type: ignore[union-attr]
-                return None
+                return getattr(exc, "step_result", None)  # what the step returns once ended (a closure's loss)
             raise
 
     step.__name__ = step.__qualname__ = "step"
