@@ -81,13 +81,6 @@ CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
 QUIET: dict[str, Callable[[], Program]] = {}
 XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
-XFAIL["reinforce_advantage_std_read_with_item_for_logging_episode_without_reward[replayable]"] = (
-    "says div_by_zero ('divided by the scalar 0'); right: zero_variance_norm (the divisor is adv.std() of a "
-    "constant batch, read to the host with .item() for the logger). Zero-intrusive follows the number through the "
-    "loss tape (LossTape._note_read, Entry.host, loss_replay._host_numbers, family_rules._read_off); the re-run of a "
-    "replayable call has no tape: its .item() is aten._local_scalar_dense under localisation/tracer.OpTracer, and "
-    "no torch-function observer runs during rerun._run_unit of a CallRecord, so nothing links the number to the "
-    "replayed std (needs such an observer there, calling loss_tape.note_replayed_numbers).")
 
 
 def case(name: str, want: Want) -> Callable:

@@ -75,13 +75,6 @@ CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
 QUIET: dict[str, Callable[[], Program]] = {}
 XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
-XFAIL["chunked_sft_loss_running_sum_over_host_count_prompt_fills_window[replayable]"] = (
-    "says div_by_zero ('divided by the scalar 0'); right: label_out_of_range, as zero-intrusive says (the divisor is "
-    "a count of labels != -100, read to the host with int() chunk by chunk, every label being the ignore index). "
-    "diagnosis/family_rules._div_rule links a Python-number divisor to the op that made it only through "
-    "_read_off(ctx, ...), i.e. the loss tape's host numbers (LossTape._host_numbers, loss_replay._host_numbers); the "
-    "re-run of a replayable call (rerun.run_unit on its CallRecord) has no torch-function observer, so the int() "
-    "(aten._local_scalar_dense) is never tied to the replayed sum. Same mechanism as r15a's reinforce xfail.")
 
 
 def case(name: str, want: Want) -> Callable:

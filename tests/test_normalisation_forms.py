@@ -18,7 +18,7 @@
    returns (the mean read too, also 0.0; both read in one ``tolist()`` of the two stacked), read before the
    forward or after it, or made a tensor again, is ``zero_variance_norm``; a count of an all-false mask read with
    ``.item()`` is ``div_by_zero``; and an ``int()`` of a std of 0.3 is 0 without the std being 0: ``div_by_zero``
-   (must not fire). Zero-intrusive only: a ``replayable`` call's re-run has no tape (strict xfails say why).
+   (must not fire). A ``replayable`` call's re-run links them the same way (``rerun._HostReads``).
 
 Each construction is checked with plain torch first: the first op that makes a non-finite value from finite inputs
 is the marked one, on the marked line, and the value it divides by is recomputed directly (a zero norm, std, count
@@ -398,11 +398,6 @@ class Case:
     """The divisor is a number the step's code read to the host."""
 
 
-_RE_RUN_READS = (
-    "replayable: the re-run of the call reads .item() as aten._local_scalar_dense under the op tracer, which keeps no "
-    "link from the number to the tensor (localisation/tracer.py, rerun._run_unit: no torch-function observer runs "
-    "during a CallRecord's re-run), so the zero divisor is a plain number there: div_by_zero")
-
 DIV, RECIP = "aten.div.Tensor", "aten.reciprocal.default"
 CASES: dict[str, Case] = {
     "cosine_norm_outer_product_broadcast": Case(Backbone, _views_batches, cos_broadcast, DIV, None, "cos_broadcast",
@@ -427,18 +422,17 @@ CASES: dict[str, Case] = {
     "inverse_distance_weight_query_on_a_key": Case(Keys, _idw_batches, inverse_distance, RECIP, None, "idw",
                                                    "div_by_zero", _idw_check, summary="distance"),
     "advantage_mean_and_std_read_with_item": Case(Policy, _returns_batches, reinforce_item, DIV, None, "item_std",
-                                                  "zero_variance_norm", _returns_check, replayable=_RE_RUN_READS,
+                                                  "zero_variance_norm", _returns_check,
                                                   summary="read to the host", reads=True),
     "advantage_mean_and_std_read_with_one_tolist": Case(Policy, _returns_batches, reinforce_tolist, DIV, None,
                                                         "tolist_std", "zero_variance_norm", _returns_check,
-                                                        replayable=_RE_RUN_READS, summary="standard deviation",
-                                                        reads=True),
+                                                        summary="standard deviation", reads=True),
     "return_std_read_with_float_before_forward_divided_after": Case(
         Policy, _returns_batches, reinforce_item_after_forward, DIV, None, "float_std_after", "zero_variance_norm",
-        _returns_check, replayable=_RE_RUN_READS, summary="read to the host", reads=True),
+        _returns_check, summary="read to the host", reads=True),
     "return_std_read_then_made_a_tensor_again": Case(Policy, _returns_batches, reinforce_tensor_again, DIV, None,
                                                      "tensor_again", "zero_variance_norm", _returns_check,
-                                                     replayable=_RE_RUN_READS, reads=True),
+                                                     reads=True),
     "labelled_token_count_read_with_item_prompt_only_batch": Case(Tagger, _token_batches, masked_token_loss, DIV, None,
                                                                   "item_count", "div_by_zero", _token_check,
                                                                   summary="count", reads=True),

@@ -557,7 +557,7 @@ class LossTape(TorchFunctionMode):
             return out
         if name in _READS or name in _SIDE_EFFECTS or not (out is None or isinstance(out, (torch.Tensor, tuple, list))):
             if name in _NUMBER_READS and args:
-                self._note_read(args[0], out)
+                note_read(self._numbers, args[0], out)  # (:meth:`_note_read`, without its call)
             return out
         outs = tensors_of(out)
         if out is not None and not outs:
@@ -575,32 +575,13 @@ class LossTape(TorchFunctionMode):
         """A host read of ``t`` handed the step's code the number(s) ``out``: note ``t`` under each number's identity
         (:attr:`_numbers`), one dictionary entry a number; which kept call made ``t`` is looked up only when a kept
         call takes the number as an argument (:meth:`_host_number`)."""
-        kind = type(out)
-        if kind is float or kind is int:
-            if isinstance(t, torch.Tensor):
-                self._numbers[id(out)] = (out, t, 0)
-        elif kind is list and isinstance(t, torch.Tensor) and t.numel() <= NUMBER_READ_MAX:
-            table = self._numbers
-            for i, value in enumerate(_flat_numbers(out)):
-                table[id(value)] = (value, t, i)
+        note_read(self._numbers, t, out)
 
     def _host_numbers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "tuple[HostNumber, ...] | None":
         """The arguments of a call being kept (top level, or inside a list or tuple there) that are numbers a host
         read handed the step's code: noted by this tape, or by the prelude before the model's forward (the loss
         tape's :attr:`earlier`). Paid by each call kept after a host read of the step: a type test an argument."""
-        found: list[HostNumber] | None = None
-        for key, value in enumerate(args):
-            kind = type(value)
-            if kind is float or kind is int:
-                found = self._host_number(key, value, found)
-            elif kind is tuple or kind is list:
-                for v in value:
-                    if type(v) is float or type(v) is int:
-                        found = self._host_number(key, v, found)
-        if kwargs:
-            for key, value in kwargs.items():
-                if type(value) is float or type(value) is int:
-                    found = self._host_number(key, value, found)
+        found = host_numbers(args, kwargs, self._host_number)
         return tuple(found) if found else None
 
     def _host_number(self, key: int | str, value: Any, found: "list[HostNumber] | None") -> "list[HostNumber] | None":
@@ -1051,6 +1032,47 @@ def _renumber_numbers(host: "tuple[HostNumber, ...] | None", at: dict[int, int])
     kept = tuple(dataclasses.replace(h, source=Ref(at[h.source.entry], h.source.slot)) if isinstance(h.source, Ref)
                  else h for h in host if not isinstance(h.source, Ref) or h.source.entry in at)
     return kept or None
+
+
+def is_number_read(func: Any) -> bool:
+    """``func`` is a host read that hands the code a Python number or a list of them (:data:`_NUMBER_READS`)."""
+    return _name(func) in _NUMBER_READS
+
+
+def note_read(table: dict[int, tuple[Any, torch.Tensor, int]], t: Any, out: Any) -> None:
+    """A host read of ``t`` (``.item()``, ``float(t)``, ``int(t)``, ``tolist()``: :data:`_NUMBER_READS`) handed the
+    code the number(s) ``out``: note ``t`` in ``table`` under each number's identity, as ``id -> (the number, t, its
+    flat index in t)``, both kept so that the ``id`` stays the number's (:meth:`LossTape._note_read`; a
+    ``replayable`` call's re-run, ``rerun._HostReads``). A ``tolist()`` of more than :data:`NUMBER_READ_MAX`
+    elements is not noted."""
+    kind = type(out)
+    if kind is float or kind is int:
+        if isinstance(t, torch.Tensor):
+            table[id(out)] = (out, t, 0)
+    elif kind is list and isinstance(t, torch.Tensor) and t.numel() <= NUMBER_READ_MAX:
+        for i, value in enumerate(_flat_numbers(out)):
+            table[id(value)] = (value, t, i)
+
+
+def host_numbers(args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                 hit: Callable[[int | str, Any, Any], Any]) -> Any:
+    """Fold ``hit(key, number, found) -> found`` over a call's plain-number arguments (top level, or inside a list
+    or tuple there, keeping the list's position as key; keywords by name), starting from None: what each caller
+    looks the numbers up in (:meth:`LossTape._host_numbers`, ``rerun._HostReads``)."""
+    found = None
+    for key, value in enumerate(args):
+        kind = type(value)
+        if kind is float or kind is int:
+            found = hit(key, value, found)
+        elif kind is tuple or kind is list:
+            for v in value:
+                if type(v) is float or type(v) is int:
+                    found = hit(key, v, found)
+    if kwargs:
+        for key, value in kwargs.items():
+            if type(value) is float or type(value) is int:
+                found = hit(key, value, found)
+    return found
 
 
 def _flat_numbers(values: Any, depth: int = 0) -> list[Any]:

@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..capture import CallRecord, ForwardRecord, RngState, extremes_ok_on_host, floating_tensors
-from ..loss_tape import untaped
+from ..loss_tape import host_numbers, is_number_read, note_read, note_replayed_numbers, untaped
 from .python_state import Snapshot, snapshot_of
-from .tracer import dense_parts, replay_site, written_tensors
+from .tracer import OpTracer, dense_parts, replay_site, written_tensors
 
 if TYPE_CHECKING:
     from ..watched import Watched
@@ -390,6 +391,9 @@ def _run_unit(watched: "Watched", unit: Unit, *, full_precision: bool, backward:
         for ctx in contexts:
             stack.enter_context(ctx)
         stack.enter_context(replay_site(sys._getframe(), getattr(unit, "call_site", None)))
+        tracer = _tracing()
+        if tracer is not None:  # the unit's own code only: not its backward, nor nantrace's checks after it
+            stack.enter_context(_HostReads(tracer))
         if isinstance(unit, CallRecord):
             result = unit.fn(*args, **kwargs)
         elif getattr(unit, "substitutes", None):  # the call ran on fast weights (functional_call): so does its replay
@@ -414,6 +418,53 @@ def _run_unit(watched: "Watched", unit: Unit, *, full_precision: bool, backward:
     grads_finite = all(_finite(g) for g in grads if g is not None)
     return UnitResult(observed, True, grads_finite, output_grads_finite,
                       grads={id(p): g for p, g in zip(params, grads) if g is not None})
+
+
+def _tracing() -> OpTracer | None:
+    """The op tracer the unit is re-run under (the innermost one on the dispatch mode stack), if any."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, OpTracer):
+            return mode
+    return None
+
+
+class _HostReads(TorchFunctionMode):
+    """Keeps the provenance of the numbers a re-run's code reads to the host, as the loss tape does for the
+    zero-intrusive replay: each ``.item()`` / ``float(t)`` / ``int(t)`` / ``tolist()`` notes the replayed tensor
+    it read under the number's identity (``loss_tape.note_read``), and a later call taking such a number as an
+    argument (``adv / adv.std().item()``, ``torch.tensor(n)``) has its ops (the tracer's op indices it spans) noted
+    with (the number, that tensor) in the tracer's provenance table (``loss_tape.note_replayed_numbers``), where
+    ``family_rules._read_off`` and ``_read_back`` follow a zero divisor to the op that made it. Under the op tracer
+    only, for the time of one unit's re-run (the table dies with it): nothing runs on a healthy step."""
+
+    def __init__(self, tracer: OpTracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+        self.numbers: dict[int, tuple[Any, torch.Tensor, int]] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        found = host_numbers(args, kwargs, self._hit) if self.numbers else None
+        if not found:
+            out = func(*args, **kwargs)
+            if args and is_number_read(func):
+                note_read(self.numbers, args[0], out)
+            return out
+        tracer = self.tracer
+        record = note_replayed_numbers(tracer.made_by, tracer.index, found)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            record[1] = tracer.index
+
+    def _hit(self, key: int | str, value: Any, found: list[Any] | None) -> list[Any] | None:
+        hit = self.numbers.get(id(value))
+        if hit is None or hit[0] is not value:
+            return found
+        found = found if found is not None else []
+        found.append((key, hit[2], value, hit[1]))  # (key, flat index, number, the replayed tensor read)
+        return found
 
 
 def _cut(value: torch.Tensor) -> torch.Tensor:
