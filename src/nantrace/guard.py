@@ -49,7 +49,7 @@ from .incident import Incident
 from .optimizer_step import (ClosureRun, StepAbandoned, evaluation_finite, global_hooks_after_own,
                              keep_last_global_post, pre_hooks_after_own, put_first, put_last_post,
                              register_first_global, user_post_hooks)
-from .patches import BACKWARD, EXCEPTHOOK, FUNCTION_APPLY, VALUE_CHECK_FUNCTIONS, PatchUnit
+from .patches import BACKWARD, DATA_LOADER_NEXT, EXCEPTHOOK, FUNCTION_APPLY, VALUE_CHECK_FUNCTIONS, PatchUnit
 from .reporting import Reporter
 from .response.checkpoints import CheckpointGate
 from .response.escalation import EscalationLadder
@@ -246,6 +246,7 @@ class Guard:
         self._patches.listen(VALUE_CHECK_FUNCTIONS, self.note_exception)
         if rec.tape is not None:
             self._patches.listen(FUNCTION_APPLY, _no_listener)
+            self._patches.listen(DATA_LOADER_NEXT, _no_listener)
         fsdp_check = watch_fsdp_local_grads(self) if self.sharded and self.world_size > 1 else None
         if fsdp_check is not None:
             self._handles.append(fsdp_check)  # removed by close()

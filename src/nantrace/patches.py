@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKWARD", "CLIP_FUNCTIONS", "DECLARED", "EXCEPTHOOK", "FUNCTION_APPLY", "VALUE_CHECK_FUNCTIONS", "AttributePatch", "Declared", "FunctionPatch",
+__all__ = ["BACKWARD", "CLIP_FUNCTIONS", "DATA_LOADER_NEXT", "DECLARED", "EXCEPTHOOK", "FUNCTION_APPLY", "VALUE_CHECK_FUNCTIONS", "AttributePatch", "Declared", "FunctionPatch",
            "PatchUnit", "install_user_traceback", "installed", "patch_attribute"]
 
 
@@ -72,6 +72,10 @@ DECLARED: tuple[Declared, ...] = (
     Declared("torch.autograd.function._SingleLevelFunction.apply (added to the class, which inherits it)",
              "a custom autograd.Function applied by the step's code is kept by the loss tape as one call, so a "
              "replay runs its backward", "while a guard is open"),
+    Declared("torch.utils.data.dataloader._BaseDataLoaderIter.__next__ (the class)",
+             "a DataLoader without worker processes makes the batch in the main process: its Dataset's and "
+             "collate_fn's torch calls are kept off the step's tapes (the batch is what it yields)",
+             "while a guard with a tape is open"),
     Declared("optimizer.step on the watched optimizer instance",
              "an exception escaping the update (a decomposition inside a K-FAC or Shampoo step) is undone and "
              "diagnosed; the wrapper passes it on unchanged", "while the guard's update check is open"),
@@ -444,6 +448,32 @@ through ``super()`` at call time: an alias taken before the guard opened (``grad
 at import) goes through it too. Listeners: none are called; the patch is on while a guard is open."""
 
 
+def _wrap_loader_next(original: Callable[..., Any], patch: FunctionPatch) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __next__(self: Any) -> Any:  # noqa: N807 - the method it stands for
+        from .loss_tape import untaped  # (loss_tape imports this module)
+
+        with untaped():  # the Dataset's and collate_fn's torch calls make the batch: they are not the step's code
+            return original(self)
+
+    return __next__
+
+
+def _hide_loader_frames() -> None:
+    from ._user_traceback import HIDDEN_CODES
+
+    HIDDEN_CODES.add(_wrap_loader_next(lambda self: None, None).__code__)  # type: ignore[arg-type]
+
+
+_hide_loader_frames()
+
+DATA_LOADER_NEXT = FunctionPatch("torch.utils.data.dataloader._BaseDataLoaderIter.__next__", _wrap_loader_next)
+"""A ``DataLoader`` with ``num_workers=0`` runs the Dataset's ``__getitem__`` and the ``collate_fn`` in the main
+process, between one step and the next forward, where the prelude's tape records: what they compute is the
+batch, so they run untaped (a NaN they make is ``nonfinite_input``, phase ``data``, as from a worker process).
+Listeners: none are called; the patch is on while a guard with a tape is open."""
+
+
 # ------------------------------------------------------------------ attributes of one object
 class AttributePatch:
     """One attribute of one object (a GradScaler instance's method, a class's method) replaced by a wrapper.
@@ -525,7 +555,7 @@ class PatchUnit:
 def installed() -> list[str]:
     """What nantrace has patched in this process right now, one line each."""
     out = []
-    for p in (BACKWARD, EXCEPTHOOK, *CLIP_FUNCTIONS, *VALUE_CHECK_FUNCTIONS, FUNCTION_APPLY):
+    for p in (BACKWARD, EXCEPTHOOK, *CLIP_FUNCTIONS, *VALUE_CHECK_FUNCTIONS, FUNCTION_APPLY, DATA_LOADER_NEXT):
         if p.installed:
             out.append(f"{p.target} ({len(p._listeners)} listener{'s' if len(p._listeners) != 1 else ''})")
     out.extend(sorted(f"{h.label} ({h.purpose})" for h in list(AttributePatch._live)))
