@@ -72,15 +72,6 @@ CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
 QUIET: dict[str, Callable[[], Program]] = {}
 XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
-_ROPE = ("nantrace: module 'blocks.1.attn.rotary', cause exp_overflow; right: 'blocks.0.attn.rotary' (the first "
-         "non-finite value of the step, FirstNonFinite), div_by_zero (0 ** negative). Two faults: (1) "
-         "diagnosis/evidence.py operands_at keeps tensor operands only, so aten.pow.Scalar's Python base 0.0 is not "
-         "'arg0': family_rules._root_rule returns None and _exp_rule's '0 ** negative' guard is skipped -> "
-         "exp_overflow; (2) localisation/origin.py backward_start starts from the first live backward op in backward "
-         "order (the last block's SDPA backward), and trace_back from it reaches blocks.1's own pow, not the earlier "
-         "independent one in blocks.0 whose NaN also reaches the gradients.")
-XFAIL.update({"gpt_rotary_inv_freq_in_forward_config_rope_theta_zero[zero_intrusive]": _ROPE,
-              "gpt_rotary_inv_freq_in_forward_config_rope_theta_zero[replayable]": _ROPE})
 
 
 def case(name: str, want: Want) -> Callable:

@@ -75,14 +75,25 @@ def recompute(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Recom
 
 
 def operands_at(args: tuple[Any, ...], kwargs: dict[str, Any], shape: torch.Size, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """For an elementwise op: each tensor operand's values (float64) at the bad output positions.
+    """For an elementwise op: each operand's values (float64) at the bad output positions.
 
-    Operands that do not broadcast to the output's shape (reductions, matmuls, norms) are
-    left out; their evidence is gathered by the rule of their family.
+    A plain-number operand (``aten.pow.Scalar``'s base in ``theta ** t``, ``torch.div(2.0, t)``'s numerator,
+    ``rsub``'s ``1``, ``xlogy.Scalar_Self``'s ``x``) is an operand too: it is read as a 0-dim float64 value
+    broadcast to the output's shape, so that every rule reading ``arg0``/``arg1`` sees it where a tensor would
+    stand (``0.0 ** negative`` is a division by zero). Booleans are flags, not values, and are left out.
+    Operands that do not broadcast to the output's shape (reductions, matmuls, norms) are left out; their
+    evidence is gathered by the rule of their family.
     """
     out: dict[str, torch.Tensor] = {}
     named = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
     for name, value in named:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                number = torch.tensor(float(value), dtype=F64, device=mask.device)
+                out[name] = torch.broadcast_to(number, shape)[mask]
+            except (RuntimeError, OverflowError):
+                pass
+            continue
         if not isinstance(value, torch.Tensor) or value.is_complex():
             continue
         try:

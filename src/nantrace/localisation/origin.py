@@ -143,13 +143,27 @@ def applied_as_mask(ref: InputRef, consumer: OpRecord) -> bool:
     return not (name == "sub" and ref.position in ("arg1", "other"))
 
 
+_BACKWARD_STARTS = 48
+"""How many live backward ops reading a forward op's non-finite value :func:`backward_start` traces back from, in
+backward order."""
+
+
 def backward_start(records: list[OpRecord]) -> OpRecord | None:
     """Where to start the origin rule for a failure seen in the gradients: the first backward op
     whose non-finite output reached what was observed. A value that went no further (masked by an
     op with a finite result, as a norm's derivative masks its own 0/0, and read by no later record)
     is no origin. The values left non-finite at the end (the gradients returned, and what read them)
     are the sinks; every record they were made from, through non-finite inputs, is live. Without a
-    live backward op, the first backward op with a non-finite output."""
+    live backward op, the first backward op with a non-finite output.
+
+    Backward runs the model's last block first, so the first live backward op may lead to a forward
+    op of a later block while an identical one of an earlier block broke first and its values reached
+    the gradients too. When the live backward ops lead back to forward ops, the origin rule is applied
+    from the first of them and from each that reads a non-finite value a forward op made (where a forward
+    value enters the backward; the first :data:`_BACKWARD_STARTS`), and the one whose forward origin ran
+    first is returned: the first bad value of the step, in forward time. When none does (the non-finite
+    gradient was born in the backward: a singularity whose forward is finite), the first live backward
+    op is kept."""
     consumed = {id(ref.producer) for r in records for ref in r.inputs if ref.producer is not None}
     live: set[int] = set()
     stack = [r for r in records if not r.absorbed and id(r) not in consumed]
@@ -159,8 +173,21 @@ def backward_start(records: list[OpRecord]) -> OpRecord | None:
             continue
         live.add(id(r))
         stack.extend(ref.producer for ref in r.inputs if ref.producer is not None and id(ref.producer) not in live)
-    first = next((r for r in records if r.phase == "backward" and id(r) in live), None)
-    return first if first is not None else next((r for r in records if r.phase == "backward"), None)
+    starts = [r for r in records if r.phase == "backward" and id(r) in live]
+    if not starts:
+        return next((r for r in records if r.phase == "backward"), None)
+    # a forward value reaches the backward where a backward op reads a non-finite tensor a forward op made (a
+    # saved input or output): only there can a trace lead to another forward origin than its successors' do
+    entries = [r for r in starts if any((ref.nan or ref.inf) and ref.producer is not None
+                                        and ref.producer.phase != "backward" for ref in r.inputs)]
+    best, best_index = starts[0], None
+    for start in [starts[0]] + entries[:_BACKWARD_STARTS]:
+        found = trace_back(start).record
+        if found is None or found.phase != "forward":
+            continue
+        if best_index is None or found.index < best_index:
+            best, best_index = start, found.index
+    return best
 
 
 def trace_back(start: OpRecord) -> Origin:
