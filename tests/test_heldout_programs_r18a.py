@@ -64,7 +64,6 @@ JUDGE = Judge(__file__)
 CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
 QUIET: dict[str, Callable[[], Program]] = {}
 XFAIL: dict[str, str] = {
-    "keyword_spotting_log_mel_of_digital_silence_in_loop[replayable]": "nantrace (replayable only): kind nonfinite_loss; right: nonfinite_input (the -inf log-mel features are a model input made by the step's code; zero_intrusive says nonfinite_input, docs/diagnosis.md: 'a -inf input passes the capture's mask rule; the replay shows an op made it'). Mechanism: with guard.replayable the kind is decided from the replayable call's re-run, which does not re-apply the -inf-input rule of the capture path.",
 }
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 

@@ -52,32 +52,6 @@ QUIET: dict[str, Callable[[], Program]] = {}
 XFAIL: dict[str, str] = {}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 
-_CAT_RAISES = (
-    "nantrace: exception/aten.sub.Tensor/None/domain_error; right: the same op, line and module with masked_softmax_all "
-    "(Categorical's logits - logsumexp(logits) over a row the action mask made entirely -inf: a log-softmax of a fully "
-    "masked row, NaN, then the validation raises). localisation/exceptions._from_evidence keeps as evidence only records "
-    "with creates_nonfinite (no NaN/Inf input), so the sub that made NaN from -inf operands is dropped, cls is None and "
-    "_python_check hard-codes domain_error for every distribution-constraint failure, even a NaN value.")
-_CAT_NOVAL = (
-    "nantrace: nonfinite_loss/aten.sub.Tensor/None/inf_arithmetic; right: masked_softmax_all (the row is entirely -inf "
-    "from masked_fill and the sub is torch.distributions.Categorical's log-softmax, logits - logsumexp; inf_arithmetic's "
-    "fix, 'apply masks with masked_fill', is what the user already did). diagnosis/classify._with_infinite_operands "
-    "returns masked_softmax_all only when the NaN-making op is itself in SOFTMAX_OPS, not for a sub/exp whose operand is "
-    "a logsumexp/amax of a fully -inf row.")
-_UNDERFLOW_PASSED_ON = (
-    "nantrace: exception/{got}/''/domain_error; right: aten.softplus.default (softplus of a very negative input "
-    "underflowed to exactly 0; {how} only carried that 0 on to the validated concentration). "
-    "localisation/exceptions._python_check -> _checked_value_maker -> _computed_by walks back from the checked value's "
-    "maker only through views/copies/casts (_VIEWS), so it stops at the first non-view op that merely passed the "
-    "invalid value on.")
-for _mode in ("zero_intrusive", "replayable"):
-    XFAIL[f"categorical_logits_action_mask_all_false_terminal_state_raises[{_mode}]"] = _CAT_RAISES
-    XFAIL[f"categorical_logits_action_mask_all_false_terminal_state_validation_off[{_mode}]"] = _CAT_NOVAL
-    XFAIL[f"dirichlet_vae_softplus_concentration_underflow_raises[{_mode}]"] = _UNDERFLOW_PASSED_ON.format(
-        got="aten.add.Tensor", how="`+ self.eps` with eps = 0.0 (add of 0)")
-    XFAIL[f"beta_actor_softplus_concentration_underflow_raises[{_mode}]"] = _UNDERFLOW_PASSED_ON.format(
-        got="aten.stack.default", how="Beta's internal torch.stack([c1, c0]) for its Dirichlet")
-
 
 def case(name: str, want: Want) -> Callable:
     def register(build: Callable[[], Program]) -> Callable[[], Program]:

@@ -212,11 +212,74 @@ def _with_infinite_operands(rec: OpRecord, short: str, args: tuple[Any, ...], kw
             dims = [dim] if isinstance(dim, int) else list(dim or ())
             size = math.prod(x.shape[d] for d in dims) if x.dim() and dims else x.numel()
             return "masked_softmax_all", f"{rows} row(s) of {size} entries all -inf", facts
+    if short in {"sub", "add", "rsub"}:
+        rows = _normaliser_of_masked_rows(rec, args, out.shape, mask & torch.isnan(out))
+        if rows:
+            facts["fully_masked_rows"] = rows
+            return "masked_softmax_all", (f"a log-softmax written out (x - logsumexp(x)) over {rows} row(s) whose "
+                                          "entries are all -inf: -inf - (-inf) = NaN"), facts
     if short in DIV_OPS or short in {"sub", "add", "mul", "rsub", "addcmul", "addcdiv", "sum", "mean", "mm", "bmm",
                                      "addmm", "matmul", "baddbmm", "dot", "where", "lerp", "neg", "_softmax",
                                      "_log_softmax", "logsumexp"} or rec.scalar_nonfinite:
         return "inf_arithmetic", _inf_detail(short), facts
     return "inf_arithmetic", f"{short} received infinite operands and produced NaN", facts
+
+
+_ROW_NORMALISERS = {"logsumexp"}
+"""The reduction a hand-written log-softmax subtracts (``x - x.logsumexp(-1, keepdim=True)``, torch.distributions'
+``Categorical``): -inf over a row that is entirely -inf. A shift by the row's maximum (``x - x.amax(-1)`` before an
+``exp``) stays ``inf_arithmetic``, as the cause matrix and its oracle decide (``tests/cause_matrix.py``
+``inf_minus_inf``): the shift is arithmetic on the mask, not yet a normalisation."""
+_CARRY = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "clone", "detach", "alias", "_to_copy",
+          "contiguous", "neg", "_reshape_alias", "lift_fresh", "flatten"}
+"""Ops between such a reduction and the sub/add that reads it which keep its values row for row (a ``neg`` for
+``x + (-lse)``)."""
+
+
+def _normaliser_of_masked_rows(rec: OpRecord, args: tuple[Any, ...], shape: torch.Size, mask: torch.Tensor) -> int:
+    """A ``sub``/``add`` whose NaN is ``-inf - (-inf)`` of a log-softmax written out: an operand was computed (through
+    views, or a ``neg``) by a logsumexp/amax/max over rows that are entirely -inf, and every bad element of the
+    output lies on such a row (``mask``: its NaN elements; a ``-inf`` on a partly masked row is a valid log-probability
+    of 0). The number of those rows (0 otherwise). Evidence from provenance: the reduction's own input, read where
+    it ran."""
+    fwd = rec.forward
+    if fwd is None or not mask.any():
+        return 0
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    for operand, maker in zip(tensors, fwd.parents):
+        info = maker
+        for _ in range(16):
+            if info is None or short_op(info.op) not in _CARRY:
+                break
+            info = info.parents[0] if info.parents else None
+        if info is None or short_op(info.op) not in _ROW_NORMALISERS:
+            continue
+        flags = _masked_row_flags(info)
+        if flags is None or flags.numel() != operand.numel():
+            continue
+        try:
+            at = torch.broadcast_to(flags.reshape(operand.shape), shape)[mask]
+        except RuntimeError:
+            continue
+        if at.numel() and bool(at.all()):
+            return int(flags.sum())
+    return 0
+
+
+def _masked_row_flags(info: OpInfo) -> torch.Tensor | None:
+    """For a row reduction (logsumexp, amax, max along a dimension), whether each row it reduced was entirely
+    -inf, in the reduction's output layout (without its reduced dimensions)."""
+    args, kwargs = info.args or (), info.kwargs or {}
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if x is None or not x.is_floating_point() or not x.numel():
+        return None
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", None)
+    dims = [dim] if isinstance(dim, int) and not isinstance(dim, bool) else \
+        [d for d in (dim or ()) if isinstance(d, int)] if isinstance(dim, (list, tuple)) else []
+    neginf = torch.isneginf(x.detach())
+    if not dims or x.dim() == 0:
+        return neginf.all().reshape(())
+    return neginf.all(dim=tuple(d % x.dim() for d in dims))
 
 
 def _fully_masked_attention(rec: OpRecord, args: tuple[Any, ...], kwargs: dict[str, Any], mask: torch.Tensor,

@@ -123,12 +123,13 @@ def diagnose_exception(watched: "Watched", incident: "Incident", capture: Any, e
     if tracer is not None:
         evidence.made_by, evidence.ignored_targets = tracer.made_by, tracer.ignored_targets
         evidence.externals = tracer.externals
+    rejected = _nonfinite_rejected(replay_error, tracer) if failure is None else None
     if error is None:  # an abandoned step: only the replay's own evidence counts
-        return _abandoned(incident, failure, records, evidence, model_start, decompositions)
+        return _abandoned(incident, failure, records, evidence, model_start, decompositions, rejected)
     message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     incident.details["exception"] = message
     incident.transient = False if replay_error is not None or records else None
-    cls, origin = _from_evidence(failure, records, evidence, model_start)
+    cls, origin = _from_evidence(failure, records, evidence, model_start, rejected)
     if cls is None:
         # no value evidence: only a torch op's own value check (or a CUDA assert, which cannot be
         # replayed) makes it an incident; a Python error that mentions "range" or "nan" does not
@@ -311,10 +312,10 @@ def _python_check(constraint: re.Match[str], decompositions: list[Any], replay_e
     detail = f"the {name} of {dist} violates {rule.strip()}"
     if decompositions:
         return _decomposition(decompositions[-1], detail=f"{detail}: ")
-    made = _checked_value_maker(replay_error, tracer)
-    if made is None and tracer is not None and isinstance(tracer.made_by, _KeepingLike):
-        made = _computed_by(tracer.made_by.twin())
+    value, made = _rejected_value(replay_error, tracer)
     if made is not None:
+        rule_obj = _checked_constraint(replay_error) or _checked_constraint(error)
+        made = _violation_maker(value, made, rule_obj)
         return Classification("domain_error", made.op, made.module, made.source, "forward", detail, None, [])
     return Classification("domain_error", None, None, raising_source(error), "forward", detail, None, [])
 
@@ -329,25 +330,141 @@ def _decomposition(made: Any, detail: str = "") -> Classification:
                           [tensor_stats(a, "arg0")] if a is not None else [], facts)
 
 
-def _checked_value_maker(error: BaseException | None, tracer: OpTracer | None) -> Any:
-    """The forward op that made the value a Python check rejected: the ``value`` local of the
-    innermost torch frame of the replay's own exception (torch.distributions names it so), looked
-    up in the tracer's provenance."""
-    value = _checked_value(error)
-    if value is None or tracer is None:
+def _rejected_value(replay_error: BaseException | None, tracer: OpTracer | None) -> tuple[torch.Tensor | None, Any]:
+    """The value a Python check rejected, as the replay made it, and the op that made it: the replayed check's own
+    ``value`` (when the replay raised it again), else the replayed twin of the real step's rejected value."""
+    value = _checked_value(replay_error)
+    if value is not None and tracer is not None and tracer.made_by.get(value) is not None:
+        return value, tracer.made_by.get(value)
+    if tracer is not None and isinstance(tracer.made_by, _KeepingLike):
+        found = tracer.made_by.twin_tensor()
+        if found is not None:
+            return found, tracer.made_by.get(found)
+    return value, None
+
+
+def _nonfinite_rejected(replay_error: BaseException | None, tracer: OpTracer | None) -> OpRecord | None:
+    """A check written in Python rejected a value holding NaN/Inf (Categorical's ``logits - logsumexp`` of a row
+    masked entirely to ``-inf``): the record of the op that made it, whose origin is found the usual way (dataflow
+    back to the op that created the non-finite value, an op with infinite inputs and a NaN output included);
+    None for a finite value outside the support (``domain_error`` at the op that made it: :func:`_python_check`)."""
+    value, made = _rejected_value(replay_error, tracer)
+    if value is None or made is None or made.record is None:
         return None
-    return _computed_by(tracer.made_by.get(value))
+    with _disable_current_modes():
+        if not value.is_floating_point() or not value.numel() or _all_finite(value.detach()):
+            return None
+    return made.record
 
 
 def _checked_value(error: BaseException | None) -> torch.Tensor | None:
     """The value a check written in Python rejected: the ``value`` local of the innermost torch frame
     of ``error``'s traceback (torch.distributions' validation names it so), or None."""
+    frame = _check_frame(error)
+    return frame.f_locals.get("value") if frame is not None else None
+
+
+def _check_frame(error: BaseException | None) -> Any:
+    """The innermost torch frame of ``error``'s traceback holding a tensor ``value`` (the check's), or None."""
     if error is None or not CONSTRAINT.search(str(error)):
         return None
     for frame, _ in reversed(list(traceback.walk_tb(error.__traceback__))):
         value = frame.f_locals.get("value") if _is_library(frame.f_code.co_filename) else None
         if isinstance(value, torch.Tensor):
-            return value
+            return frame
+    return None
+
+
+def _checked_constraint(error: BaseException | None) -> Any:
+    """The constraint the check applied (``Distribution.__init__``'s ``constraint``, ``_validate_sample``'s
+    ``support``), or None."""
+    frame = _check_frame(error)
+    if frame is None:
+        return None
+    for name in ("constraint", "support"):
+        rule = frame.f_locals.get(name)
+        if rule is not None and callable(getattr(rule, "check", None)):
+            return rule
+    return None
+
+
+def _violations(rule: Any, t: Any) -> torch.Tensor | None:
+    """Where ``t`` violates the elementwise constraint ``rule`` (a bool tensor of ``t``'s shape), or None."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
+        return None
+    try:
+        ok = rule.check(t.detach())
+    except Exception:  # noqa: BLE001 - a constraint that cannot judge this tensor: no evidence
+        return None
+    if not isinstance(ok, torch.Tensor) or ok.shape != t.shape:
+        return None
+    return ~ok.bool()
+
+
+def _violation_maker(value: torch.Tensor | None, made: Any, rule: Any) -> Any:
+    """The origin rule applied to a constraint violation: the first op whose output violates ``rule`` at the
+    rejected elements while the inputs it read there did not. From the op that made the rejected ``value``, walk
+    back through an input that already held the same violating values at those elements (an add of 0, a mul by 1,
+    a clamp that does not bind, a ``where``: positionally; a stack, cat, view or index: among the values it moved);
+    ``softplus(-4000) = 0`` computed a new value and is the origin, as is ``exp`` of a very negative number. A
+    constraint that is not elementwise (a simplex, a positive-definite matrix) keeps the walk through views."""
+    while rule is not None and hasattr(rule, "base_constraint"):  # independent(positive, 1): judged per element
+        rule = rule.base_constraint
+    if value is None or rule is None or getattr(rule, "event_dim", 1) != 0:
+        return _computed_by(made)
+    with _disable_current_modes():
+        cur = value.detach()
+        bad = _violations(rule, cur)
+        if bad is None or not bool(bad.any()):
+            return _computed_by(made)
+        info = made
+        for _ in range(64):
+            step = _carried_from(info, cur, bad, rule)
+            if step is None:
+                return info
+            info, cur, bad = step
+    return info
+
+
+def _carried_from(info: Any, cur: torch.Tensor, bad: torch.Tensor, rule: Any) -> Any:
+    """``(parent op, its tensor, where it violates)`` for the input of ``info`` that carried ``cur``'s violating
+    values at ``bad`` unchanged, or None when ``info`` made them."""
+    short = short_op(info.op)
+    tensors = [a for a in (info.args or ()) if isinstance(a, torch.Tensor)]
+    for a in info.args or ():
+        if isinstance(a, (list, tuple)):
+            tensors.extend(t for t in a if isinstance(t, torch.Tensor))
+    pairs = list(zip(tensors, list(info.parents) + [None] * (len(tensors) - len(info.parents))))
+    if short == "copy" and len(pairs) > 1:
+        pairs = pairs[1:]  # what a copy_ wrote is its source, not the memory it overwrote
+    pointwise = info.func is not None and torch.Tag.pointwise in getattr(info.func, "tags", ())
+    values = cur[bad]
+    for arg, parent in pairs:
+        if parent is None or not arg.is_floating_point():
+            continue
+        arg = arg.detach()
+        if pointwise:
+            try:
+                wide = torch.broadcast_to(arg, cur.shape)
+            except RuntimeError:
+                continue
+            violated = _violations(rule, wide)
+            if violated is None:
+                continue
+            carried = bad & violated & (wide.to(cur.dtype) == cur)
+            if not bool(carried.any()):
+                continue
+            if arg.shape == cur.shape:
+                return parent, arg, carried
+            own = _violations(rule, arg)
+            return (parent, arg, own) if own is not None else None
+        if short in _CARRIERS:
+            violated = _violations(rule, arg)
+            if violated is None:
+                continue
+            carried = violated & torch.isin(arg.to(cur.dtype), values)
+            if bool(carried.any()):
+                return parent, arg, carried
     return None
 
 
@@ -382,11 +499,16 @@ class _KeepingLike:
 
     def twin(self) -> Any:
         """The op that made the last replayed tensor equal to ``like`` (NaN matching NaN), or None."""
+        t = self.twin_tensor()
+        return self.inner.get(t) if t is not None else None
+
+    def twin_tensor(self) -> torch.Tensor | None:
+        """The last replayed tensor equal to ``like`` (NaN matching NaN), or None."""
         with _disable_current_modes():
             for t in reversed(self.kept):
                 if torch.equal(torch.nan_to_num(t.detach(), 0.5, 1.5, -1.5),
                                torch.nan_to_num(self.like, 0.5, 1.5, -1.5)):
-                    return self.inner.get(t)
+                    return t
         return None
 
 
@@ -414,9 +536,9 @@ def raising_source(error: BaseException | None) -> str | None:
 
 
 def _abandoned(incident: "Incident", failure: FailedOp | None, records: list[OpRecord], evidence: _Evidence,
-               model_start: OpRecord | None, decompositions: list[Any]) -> bool:
+               model_start: OpRecord | None, decompositions: list[Any], rejected: OpRecord | None = None) -> bool:
     """Fill ``incident`` for a step abandoned before ``backward()`` from what its replay showed."""
-    cls, origin = _from_evidence(failure, records, evidence, model_start)
+    cls, origin = _from_evidence(failure, records, evidence, model_start, rejected)
     if cls is None and decompositions:
         cls = _decomposition(decompositions[-1])
     if cls is None:
@@ -487,7 +609,10 @@ class _Evidence:
 
 
 def _from_evidence(failure: FailedOp | None, records: list[OpRecord], evidence: _Evidence,
-                   model_start: OpRecord | None = None) -> tuple[Classification | None, Origin | None]:
+                   model_start: OpRecord | None = None,
+                   rejected: OpRecord | None = None) -> tuple[Classification | None, Origin | None]:
+    """``rejected``: the record of the op that made a value holding NaN/Inf that a check written in Python
+    (torch.distributions' validation) rejected (:func:`_nonfinite_rejected`); its origin is that value's."""
     bad_inputs = [ref for ref in (failure.inputs if failure else []) if ref.nan or ref.inf]
     if bad_inputs:  # a non-finite value reached a validating op: diagnose that value's origin
         ref = min(bad_inputs, key=lambda r: -1 if r.producer is None else r.producer.index)
@@ -503,6 +628,9 @@ def _from_evidence(failure: FailedOp | None, records: list[OpRecord], evidence: 
         verdict = _index_out_of_range(failure) or _scalar_beyond_dtype(failure) or _outside_domain(failure)
         if verdict is not None:
             return verdict, None
+    if rejected is not None:  # a Python check rejected a NaN/Inf value: the origin of that value, as for a NaN loss
+        origin = trace_back(rejected)
+        return evidence.classify(origin), origin
     created = [r for r in records if r.creates_nonfinite and not r.is_constant]
     if model_start is not None or created:  # NaN made before a check in Python code (torch.distributions) raised
         last = model_start or created[-1]
@@ -518,6 +646,12 @@ _VIEWS = {op.rstrip("_") for op in _TRIVIAL}
 _PASS_THROUGH = _VIEWS | {"round", "floor", "ceil", "trunc", "fix", "clamp", "clamp_min", "clamp_max", "clip"}
 """Ops that carry an index's values over from their input (casts, rounding, clamping, views): an
 out-of-range index made by them is followed back to what they read."""
+
+
+_CARRIERS = _VIEWS | {"stack", "cat", "concat", "hstack", "vstack", "index", "index_select", "gather", "take",
+                      "take_along_dim", "repeat", "tile", "flip", "roll", "masked_select", "movedim", "diagonal",
+                      "expand_as", "broadcast_to"}
+"""Ops that move values without computing new ones: a value they carry is found among their inputs' values."""
 
 
 def _tensor_parents(info: OpInfo | FailedOp) -> list[tuple[torch.Tensor, OpInfo | None]]:
