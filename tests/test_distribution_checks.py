@@ -36,7 +36,7 @@ from heldout_harness import Judge, Program, assert_diagnosis, sgd, steps, train
 from test_programs import Want
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning"),
-              pytest.mark.usefixtures("one_thread")]
+              pytest.mark.usefixtures("one_thread", "distributions_validate")]  # an earlier torch.compile turns it off
 
 FAIL = 2
 JUDGE = Judge(__file__)

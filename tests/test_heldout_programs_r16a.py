@@ -1094,6 +1094,17 @@ def _plain(folder: Path) -> str:
     return out.getvalue()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _validation_as_in_a_script() -> Any:
+    """torch.distributions validates by default in a script (``__debug__``); an earlier test's ``torch.compile``
+    turns that default off for the whole process (tests/conftest.py ``distributions_validate``): the scripts of
+    this module, run in-process, get it back."""
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(True)
+    yield
+    torch.distributions.Distribution.set_default_validate_args(before)
+
+
 @pytest.fixture(scope="module")
 def plain_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Path]]:
     root = tmp_path_factory.mktemp("plain")

@@ -41,7 +41,7 @@ from test_programs import Want
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning",
                                          "ignore::RuntimeWarning"),
-              pytest.mark.usefixtures("one_thread")]
+              pytest.mark.usefixtures("one_thread", "distributions_validate")]  # an earlier torch.compile turns it off
 
 FAIL = 3
 STEPS = 5

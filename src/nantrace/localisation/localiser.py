@@ -9,11 +9,9 @@ incident. Costs nothing until an incident happens.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import traceback
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,7 +27,7 @@ from .origin import Origin, backward_start, chain_summary, trace_back
 from ..loss_tape import unread_nograd_forwards
 from .gradient_code import localise_parameter_writes, replay_gradient_code, replay_written_gradients, replayed_gradients
 from .loss_replay import replay_step, trace_prelude_inputs
-from .rerun import RerunSkipped, _tracing, float32_model, output_ok, rerun_scope, run_unit
+from .rerun import RerunSkipped, float32_model, output_ok, rerun_scope, run_unit
 from .tracer import OpRecord, OpTracer, _storage_key, all_finite
 
 if TYPE_CHECKING:
@@ -223,8 +221,7 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
     unread = set() if together else unread_nograd_forwards(capture.tape, capture.prelude, units)
     unit_grads: dict[int, torch.Tensor] = {}  # the step's gradients as backward() left them, replayed
     gradient_code = None
-    fed = _ForwardArgs(watched, capture) if not together else None  # what each replay handed the model's forwards
-    with rerun_scope(watched) as notes, fed if fed is not None else contextlib.nullcontext():
+    with rerun_scope(watched) as notes:
         for index, unit in enumerate(units):
             if observed_in is not None:  # found (lockstep only): keep replaying with the other ranks
                 run_unit(watched, unit, together=True)
@@ -403,12 +400,6 @@ def _localise(watched: "Watched", incident: "Incident", capture: StepCapture, lo
         incident.details["replayable_call_read_later_state"] = str(origin.record.op if origin.record else None)
         _localise(watched, incident, capture.without_calls(), lockstep, raised)
         return
-    if fed is not None and incident.kind in ("nonfinite_loss", "nonfinite_grad", "nonfinite_activation") \
-            and _fed_to_model(origin, fed.made(tracer)):
-        # the op that made the first non-finite value is the step's code outside the model (a log-mel of silence
-        # computed in a replayable call or the loss code), and its value reached an argument of a forward of the
-        # model: what went bad first in the step's dataflow is the model's input, as for one the prelude made
-        incident.kind = "nonfinite_input"
     if origin.external is not None and origin.external.external == "input" and not together \
             and isinstance(failing_unit, (ForwardRecord, CallRecord)) and (
                 (capture.prelude is not None and capture.prelude.usable) or _after_step_code(tape, units, failing_unit)):
@@ -599,76 +590,6 @@ def _made_before_forward(watched: "Watched", capture: StepCapture, units: list[A
     tracer, start = made
     origin = trace_back(start)
     return (origin, tracer) if origin.external is None and origin.record is not None else None
-
-
-class _ForwardArgs:
-    """While the localiser replays the step: for each op tracer, the traced ops that made a non-finite argument of a
-    forward of the watched model (the model itself, or a part of it the step's code called, as recorded) called from
-    outside the model. A dict look-up per argument: no op is issued, so the tracer sees nothing of it."""
-
-    def __init__(self, watched: "Watched", capture: StepCapture) -> None:
-        root = watched.root
-        callees: dict[int, torch.nn.Module] = {id(root): root}
-        for f in capture.forwards:
-            path = getattr(f, "module", "")
-            if path:
-                try:
-                    part = root.get_submodule(path)
-                except AttributeError:
-                    continue
-                callees.setdefault(id(part), part)
-        self._callees = list(callees.values())
-        self._handles: list[Any] = []
-        self._depth = 0
-        self._made: weakref.WeakKeyDictionary[OpTracer, list[OpRecord]] = weakref.WeakKeyDictionary()
-
-    def __enter__(self) -> "_ForwardArgs":
-        for module in self._callees:
-            self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post, always_call=True))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if self._depth == 0:
-            tracer = _tracing()
-            if tracer is not None:
-                made = [r for t in floating_tensors((args, kwargs)) if (r := tracer.producer.get(t)) is not None]
-                if made:
-                    self._made.setdefault(tracer, []).extend(made)
-        self._depth += 1
-
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._depth = max(0, self._depth - 1)
-
-    def made(self, tracer: OpTracer | None) -> list[OpRecord]:
-        """The ops (of ``tracer``'s replay) that made a non-finite argument of a forward of the model."""
-        return self._made.get(tracer, []) if tracer is not None else []
-
-
-def _fed_to_model(origin: Origin, made: list[OpRecord]) -> bool:
-    """Whether the origin op is the step's own code outside the model (a forward op with no module running) and its
-    non-finite output, or a value derived from it, is an argument of a forward of the model (``made``: the ops that
-    made those arguments, :class:`_ForwardArgs`). A value the step made that no forward received (advantages
-    standardised in the loss code) is not."""
-    rec = origin.record
-    if rec is None or origin.external is not None or rec.phase != "forward" or rec.module is not None or not made:
-        return False
-    seen: set[int] = set()
-    stack = list(made)
-    while stack:
-        cur = stack.pop()
-        if cur is rec:
-            return True
-        if id(cur) in seen:
-            continue
-        seen.add(id(cur))
-        stack.extend(ref.producer for ref in cur.inputs if ref.producer is not None)
-    return False
 
 
 def _feeds_model(capture: StepCapture, unit: Any) -> bool:

@@ -392,7 +392,9 @@ def _run_unit(watched: "Watched", unit: Unit, *, full_precision: bool, backward:
             stack.enter_context(ctx)
         stack.enter_context(replay_site(sys._getframe(), getattr(unit, "call_site", None)))
         tracer = _tracing()
-        if tracer is not None:  # the unit's own code only: not its backward, nor nantrace's checks after it
+        # the unit's own code only: not its backward, nor nantrace's checks after it; and never over a module whose
+        # fused path any torch-function mode turns off (a TransformerEncoderLayer's fast path would not replay)
+        if tracer is not None and not _has_fused_path(watched.root):
             stack.enter_context(_HostReads(tracer))
         if isinstance(unit, CallRecord):
             result = unit.fn(*args, **kwargs)
@@ -418,6 +420,16 @@ def _run_unit(watched: "Watched", unit: Unit, *, full_precision: bool, backward:
     grads_finite = all(_finite(g) for g in grads if g is not None)
     return UnitResult(observed, True, grads_finite, output_grads_finite,
                       grads={id(p): g for p, g in zip(params, grads) if g is not None})
+
+
+_FUSED_PATH_MODULES = (nn.TransformerEncoderLayer, nn.TransformerEncoder, nn.MultiheadAttention)
+"""Modules whose inference fast path torch skips while any torch-function mode is active."""
+
+
+def _has_fused_path(root: nn.Module) -> bool:
+    """Whether ``root`` holds a module whose inference fast path a torch-function mode (``_HostReads``) would turn
+    off: the re-run must take the path the real step took."""
+    return any(isinstance(m, _FUSED_PATH_MODULES) for m in root.modules())
 
 
 def _tracing() -> OpTracer | None:
