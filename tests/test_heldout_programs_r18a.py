@@ -64,7 +64,7 @@ JUDGE = Judge(__file__)
 CASES: dict[str, tuple[Callable[[], Program], Want]] = {}
 QUIET: dict[str, Callable[[], Program]] = {}
 XFAIL: dict[str, str] = {
-    "keyword_spotting_log_mel_of_digital_silence_in_loop[replayable]": "nantrace (replayable only): kind nonfinite_loss; right per this round: nonfinite_input. the kind of a -inf model input made by the step's code inside a guard.replayable call: fix helper F17's localiser._ForwardArgs made it nonfinite_input on every replay path, but that contradicts r9's accumulation_logit_adjustment case (a log-prior made in the loss code and passed to the model: nonfinite_loss), and F17's per-module hooks moved a TransformerEncoderLayer off its fast path in the replay; reverted in session 13. Open contract question: is a model input the step's code made nonfinite_input (docs/diagnosis.md's prelude rule) or nonfinite_loss (r9)? Settle it once, for the prelude, the loss code and replayable calls alike.",
+    "keyword_spotting_log_mel_of_digital_silence_in_loop[replayable]": "nantrace (replayable only): kind nonfinite_loss; right per this round: nonfinite_input. the kind of a -inf model input made by the step's code inside a guard.replayable call: fix helper F17's localiser._ForwardArgs made it nonfinite_input on every replay path, but that contradicts r9's accumulation_logit_adjustment case (a log-prior made in the loss code and passed to the model: nonfinite_loss); reverted in session 13. Open contract question: is a model input the step's code made nonfinite_input (docs/diagnosis.md's prelude rule) or nonfinite_loss (r9)? Settle it once, for the prelude, the loss code and replayable calls alike.",
 }
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 

@@ -256,7 +256,7 @@ def test_construction(name: str) -> None:
     assert mode.fed_nonfinite is (want.kind == "nonfinite_input")
 
 
-XFAIL = {"logmel_of_silence_in_replayable_call[replayable]": "the kind of a -inf model input made by the step's code inside a guard.replayable call: fix helper F17's localiser._ForwardArgs made it nonfinite_input on every replay path, but that contradicts r9's accumulation_logit_adjustment case (a log-prior made in the loss code and passed to the model: nonfinite_loss), and F17's per-module hooks moved a TransformerEncoderLayer off its fast path in the replay; reverted in session 13. Open contract question: is a model input the step's code made nonfinite_input (docs/diagnosis.md's prelude rule) or nonfinite_loss (r9)? Settle it once, for the prelude, the loss code and replayable calls alike."}
+XFAIL = {"logmel_of_silence_in_replayable_call[replayable]": "the kind of a -inf model input made by the step's code inside a guard.replayable call: fix helper F17's localiser._ForwardArgs made it nonfinite_input on every replay path, but that contradicts r9's accumulation_logit_adjustment case (a log-prior made in the loss code and passed to the model: nonfinite_loss); reverted in session 13. Open contract question: is a model input the step's code made nonfinite_input (docs/diagnosis.md's prelude rule) or nonfinite_loss (r9)? Settle it once, for the prelude, the loss code and replayable calls alike."}
 """name[mode] -> why nantrace is still wrong on it (a strict xfail)."""
 
 
