@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["HOOK_SENSITIVE", "hook_changes_numerics"]
+__all__ = ["HOOK_SENSITIVE", "MODE_SENSITIVE", "hook_changes_numerics", "mode_changes_numerics"]
 
 HOOK_SENSITIVE: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer,)
 """Module types whose forward takes another path when it or a sublayer is hooked."""
@@ -26,3 +26,14 @@ def hook_changes_numerics(root: nn.Module) -> set[int]:
         if isinstance(module, HOOK_SENSITIVE) and id(module) not in inside:
             inside.update(id(m) for m in module.modules())
     return inside
+
+
+MODE_SENSITIVE: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerEncoder,
+                                              nn.MultiheadAttention)
+"""Module types whose fused inference path torch skips while any torch-function mode is active."""
+
+
+def mode_changes_numerics(root: nn.Module) -> bool:
+    """Whether a torch-function mode pushed around ``root``'s forward would move a module of it off its fused path
+    (a replay's observer must not: the re-run takes the path the real step took)."""
+    return any(isinstance(m, MODE_SENSITIVE) for m in root.modules())

@@ -29,6 +29,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..capture import CallRecord, ForwardRecord, RngState, extremes_ok_on_host, floating_tensors
 from ..loss_tape import host_numbers, is_number_read, note_read, note_replayed_numbers, untaped
+from ..module_hooks import mode_changes_numerics
 from .python_state import Snapshot, snapshot_of
 from .tracer import OpTracer, dense_parts, replay_site, written_tensors
 
@@ -394,7 +395,7 @@ def _run_unit(watched: "Watched", unit: Unit, *, full_precision: bool, backward:
         tracer = _tracing()
         # the unit's own code only: not its backward, nor nantrace's checks after it; and never over a module whose
         # fused path any torch-function mode turns off (a TransformerEncoderLayer's fast path would not replay)
-        if tracer is not None and not _has_fused_path(watched.root):
+        if tracer is not None and not mode_changes_numerics(watched.root):
             stack.enter_context(_HostReads(tracer))
         if isinstance(unit, CallRecord):
             result = unit.fn(*args, **kwargs)
@@ -420,16 +421,6 @@ def _run_unit(watched: "Watched", unit: Unit, *, full_precision: bool, backward:
     grads_finite = all(_finite(g) for g in grads if g is not None)
     return UnitResult(observed, True, grads_finite, output_grads_finite,
                       grads={id(p): g for p, g in zip(params, grads) if g is not None})
-
-
-_FUSED_PATH_MODULES = (nn.TransformerEncoderLayer, nn.TransformerEncoder, nn.MultiheadAttention)
-"""Modules whose inference fast path torch skips while any torch-function mode is active."""
-
-
-def _has_fused_path(root: nn.Module) -> bool:
-    """Whether ``root`` holds a module whose inference fast path a torch-function mode (``_HostReads``) would turn
-    off: the re-run must take the path the real step took."""
-    return any(isinstance(m, _FUSED_PATH_MODULES) for m in root.modules())
 
 
 def _tracing() -> OpTracer | None:
